@@ -1,0 +1,59 @@
+"""Command line: `python -m jaxserve generate "prompt" [--max-tokens N] [--temperature T]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None,
+                     help="HF model directory or .gguf file (default: bundled SmolLM2-135M)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+
+    from jaxserve import EngineConfig, LLMEngine, SamplingParams
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048,
+                                    max_num_seqs=4, max_num_batched_tokens=256))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    try:
+        engine.add_request("cli", prompt, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    t1 = time.perf_counter()
+    n = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].new_text)
+            sys.stdout.flush()
+            n = len(out.outputs[0].token_ids)
+            if out.finished:
+                reason = out.outputs[0].finish_reason
+    dt = time.perf_counter() - t1
+    print(f"\n[{n} tokens in {dt:.2f}s, finish_reason={reason}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""ModelRunner: owns the params and the KV pool on the device and runs compiled steps.
+
+`step(params, kv, inputs) -> (kv, sampler_output)` is jitted with the KV pool donated, so XLA
+updates the pages in place. One executable exists per (tokens, sequences, blocks-per-sequence)
+bucket; `warmup()` compiles them all ahead of time, and `num_compiles` counts every compile so a
+test can prove nothing compiles after warmup (`strict_compile` turns that into an error).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import StepInputs, dummy_step_inputs
+from jaxserve.config import EngineConfig
+from jaxserve.sampling import SamplerOutput, sample
+from kernels import select_attention
+from models.llama import KVCache, Transformer
+from models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class RecompileError(RuntimeError):
+    """A step needed a program that warmup() did not compile (strict_compile=True)."""
+
+
+def resolve_dtype(name: str):
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        self.config = config
+        self.model_config = mc = loaded.config
+        self.dtype = resolve_dtype(config.dtype)
+        self.attention_backend, attn_fn = select_attention(config.attention_backend)
+        self.model = Transformer(mc, self.dtype, attn_fn)
+        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), loaded.params)
+        self.block_size = config.block_size
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        else:
+            per_block = KVCache.bytes_per_block(mc, config.block_size, self.dtype)
+            self.num_blocks = max(1, config.kv_cache_memory_bytes // per_block)
+        self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
+        self.buckets = config.buckets()
+        self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
+                               donate_argnums=(1,))
+        self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self.num_compiles = 0
+        self.is_warm = False
+
+    def _step(self, params, kv: KVCache, inp: StepInputs, max_logprobs: int):
+        kv, logits = self.model.apply({"params": params}, inp.input_ids, kv, inp.attn,
+                                      inp.logits_indices)
+        return kv, sample(logits, inp.sampling, max_logprobs)
+
+    # -------------------------------------------------------------------------------- compile
+
+    def all_buckets(self) -> list[tuple[int, int, int]]:
+        tok, seq, blk = self.buckets
+        return [(t, s, b) for t, s, b in itertools.product(tok, seq, blk) if s <= t]
+
+    def _compile(self, bucket: tuple[int, int, int]) -> jax.stages.Compiled:
+        if self.is_warm and self.config.strict_compile:
+            raise RecompileError(f"bucket {bucket} was not compiled at warmup")
+        dummy = dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
+        exe = self._jitted.lower(self.params, self.kv, dummy).compile()
+        self.num_compiles += 1
+        self._executables[bucket] = exe
+        return exe
+
+    def warmup(self) -> float:
+        """Compile every bucket; returns seconds spent."""
+        t0 = time.perf_counter()
+        for bucket in self.all_buckets():
+            if bucket not in self._executables:
+                self._compile(bucket)
+        self.is_warm = True
+        dt = time.perf_counter() - t0
+        logger.info("warmup: %d programs in %.1fs", len(self._executables), dt)
+        return dt
+
+    # -------------------------------------------------------------------------------- execute
+
+    def execute(self, inp: StepInputs, want_logprobs: bool = False) -> dict[str, np.ndarray]:
+        exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
+        self.kv, out = exe(self.params, self.kv, inp)
+        out: SamplerOutput
+        result = {"tokens": np.asarray(out.tokens)}  # the one host sync of a step
+        if want_logprobs:
+            result |= {"logprobs": np.asarray(out.logprobs), "top_ids": np.asarray(out.top_ids),
+                       "top_logprobs": np.asarray(out.top_logprobs)}
+        return result

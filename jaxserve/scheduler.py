@@ -1,0 +1,273 @@
+"""Scheduler: iteration-level (continuous) batching over the paged KV pool. Host only, no jax.
+
+Every step it decides which sequences run and how many of their tokens, within `max_num_seqs`,
+`max_num_batched_tokens` and the free KV blocks:
+
+1. running sequences that are decoding (one token each), in policy order;
+2. running sequences part-way through their prompt (chunked prefill);
+3. waiting sequences, admitted in policy order while sequences, tokens and blocks last.
+
+A prompt larger than what is left of the token budget is cut into a chunk that shares the step
+with the decodes; the rest follows in later steps. When a running sequence cannot get a block for
+its next token, the lowest-priority, latest-arriving running sequence is preempted (its blocks are
+freed, or copied to the host pool in swap mode) and resumes later exactly where it was.
+
+Policies: "fcfs" (arrival order), "priority" (smaller number first, ties by arrival, optional
+aging) and "static" (a baseline: admit a batch, run it until every member finishes).
+
+Aging rule: a waiting request's effective priority is `priority - floor(waited_s / aging_s)`, so
+every `priority_aging_s` seconds of waiting is worth one priority level; a request that waits long
+enough outranks any fixed priority, which bounds starvation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+from jaxserve.block_manager import BlockManager
+from jaxserve.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = "fcfs"  # "fcfs" | "priority" | "static"
+    priority_aging_s: float | None = None
+    prefill_chunk_alignment: int = 1
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # tokens already in the cache before this step
+    num_tokens: int  # query tokens this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so a token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return not (self.num_tokens == 1 and self.seq.num_output_tokens > 0
+                    and self.start == self.seq.num_tokens - 1)
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # (sequence, its device block ids) to copy to the host pool before the step / back from it.
+    swap_out: list[Sequence] = dataclasses.field(default_factory=list)
+    swap_in: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 swap_space: SwapSpace | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.config = config
+        self.block_manager = block_manager
+        self.swap_space = swap_space
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------------------- queue state
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def _key(self, seq: Sequence, now: float) -> tuple:
+        """Sort key: smaller runs first, and is preempted last."""
+        if self.config.policy != "priority":
+            return (seq.arrival_index,)
+        prio = seq.priority
+        if self.config.priority_aging_s and seq.status is not SequenceStatus.RUNNING:
+            prio -= math.floor((now - seq.arrival_time) / self.config.priority_aging_s)
+        return (prio, seq.arrival_index)
+
+    # -------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        now = self.clock()
+        out = SchedulerOutput(scheduled=[])
+        budget = cfg.max_num_batched_tokens
+        self.running.sort(key=lambda s: self._key(s, now))
+        if cfg.policy == "priority":
+            self._preempt_for_priority(now, out)
+
+        decodes = [s for s in self.running if s.is_decoding]
+        partial = [s for s in self.running if not s.is_decoding]
+        scheduled_ids: set[str] = set()
+        for seq in decodes + partial:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
+                continue  # seq itself was preempted
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            scheduled_ids.add(seq.request_id)
+            budget -= n
+
+        if out.preempted or out.swap_out:
+            return out  # memory is short: admit nothing new this step
+        self._swap_in(out, budget)
+        budget -= sum(s.num_tokens for s in out.scheduled if s.seq in out.swap_in)
+        if cfg.policy == "static" and (self.running or self.swapped):
+            return out  # the batch runs until its last member finishes
+        self.waiting.sort(key=lambda s: self._key(s, now))
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            if n == 0 or not bm.can_allocate(seq, n):
+                break  # head-of-line: later arrivals do not jump the queue
+            self.waiting.pop(0)
+            bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, 0, n))
+            budget -= n
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        align = self.config.prefill_chunk_alignment
+        if n < seq.num_uncomputed_tokens and align > 1:
+            n = n // align * align  # a prompt's last chunk keeps its odd size
+        return n
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
+                   out: SchedulerOutput) -> bool:
+        """Preempt until `seq` can hold `num_tokens`; False if `seq` itself had to go."""
+        bm = self.block_manager
+        now = self.clock()
+        while not bm.can_allocate(seq, num_tokens):
+            candidates = [s for s in self.running if s.request_id not in scheduled_ids]
+            victim = max(candidates, key=lambda s: self._key(s, now))
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt_for_priority(self, now: float, out: SchedulerOutput) -> None:
+        """A waiting request that outranks a running one takes its place when seqs are full."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return
+        best = min(self.waiting, key=lambda s: self._key(s, now))
+        worst = max(self.running, key=lambda s: self._key(s, now))
+        if self._key(best, now)[0] < self._key(worst, now)[0]:
+            self._preempt(worst, out)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        swap = self.swap_space
+        if (self.config.preemption_mode == "swap" and swap is not None
+                and seq.num_computed_tokens > 0 and swap.can_hold(len(seq.block_table))):
+            swap.reserve(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            out.swap_out.append(seq)  # the engine copies, then calls finish_swap_out
+            return
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0  # recompute: prompt + generated tokens are prefilled again
+        seq.status = SequenceStatus.WAITING
+        self.waiting.insert(0, seq)
+
+    def finish_swap_out(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> None:
+        """Bring swapped sequences back (oldest first) while seqs, tokens and blocks allow."""
+        bm = self.block_manager
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = self._chunk(seq, budget)
+            blocks = seq.num_swapped_blocks
+            need = max(blocks, bm.blocks_needed(seq.num_computed_tokens + n))
+            if n == 0 or need > bm.num_free_blocks:
+                return
+            self.swapped.pop(0)
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.swap_in.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    # ---------------------------------------------------------------------------- completion
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove `seq` from whichever queue holds it and return its blocks at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+        if seq.status is SequenceStatus.SWAPPED and self.swap_space is not None:
+            self.swap_space.release(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+
+class SwapSpace:
+    """Bookkeeping of the host block pool used by swap preemption (ids only)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_ids: list[int] = list(range(num_blocks))
+        self.held: dict[str, list[int]] = {}
+
+    def can_hold(self, n: int) -> bool:
+        return n <= len(self.free_ids)
+
+    def reserve(self, seq: Sequence) -> list[int]:
+        n = len(seq.block_table)
+        ids, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        self.held[seq.request_id] = ids
+        seq.num_swapped_blocks = n
+        return ids
+
+    def release(self, seq: Sequence) -> list[int]:
+        ids = self.held.pop(seq.request_id, [])
+        self.free_ids.extend(ids)
+        seq.num_swapped_blocks = 0
+        return ids
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_ids)

@@ -1,0 +1,58 @@
+"""Reference ragged paged attention in plain jnp: the CPU path and the oracle for the kernels.
+
+Every query token attends to its own sequence's keys at positions <= its own position, which is
+causal inside a prefill chunk and full over the context cached by earlier steps. The keys are
+gathered through the block table per token, so memory is O(T * MB * B * K * H): fine for a CPU and
+for tests; the Pallas and Triton kernels read blocks in place instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv(
+    k_pages: jax.Array,  # (P, B, K, H)
+    v_pages: jax.Array,  # (P, B, K, H)
+    k: jax.Array,  # (T, K, H)
+    v: jax.Array,  # (T, K, H)
+    slot_mapping: jax.Array,  # (T,) int32; out-of-range slots are dropped (padding rows)
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's K/V into their slots; returns the updated pages."""
+    p, b, kh, h = k_pages.shape
+    k_flat = k_pages.reshape(p * b, kh, h).at[slot_mapping].set(
+        k.astype(k_pages.dtype), mode="drop")
+    v_flat = v_pages.reshape(p * b, kh, h).at[slot_mapping].set(
+        v.astype(v_pages.dtype), mode="drop")
+    return k_flat.reshape(p, b, kh, h), v_flat.reshape(p, b, kh, h)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # (T, N, H)
+    k_pages: jax.Array,  # (P, B, K, H)
+    v_pages: jax.Array,  # (P, B, K, H)
+    md: AttentionMetadata,
+    *,
+    scale: float | None = None,
+) -> jax.Array:  # (T, N, H)
+    t, n, h = q.shape
+    _, b, kh, _ = k_pages.shape
+    g = n // kh
+    mb = md.block_tables.shape[1]
+    scale = h**-0.5 if scale is None else scale
+
+    tables = md.block_tables[md.token_seq]  # (T, MB)
+    k = k_pages[tables].reshape(t, mb * b, kh, h)  # (T, C, K, H)
+    v = v_pages[tables].reshape(t, mb * b, kh, h)  # (T, C, K, H)
+    qg = q.reshape(t, kh, g, h)
+    scores = jnp.einsum("tkgh,tckh->tkgc", qg, k, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(mb * b, dtype=jnp.int32)
+    mask = key_pos[None, :] <= md.positions[:, None]  # (T, C)
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgc,tckh->tkgh", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(t, n, h).astype(q.dtype)

@@ -1,0 +1,154 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax linen, over a paged KV cache.
+
+The forward takes one step's tokens (prefill chunks and decodes mixed, flattened to T rows) and
+the KV pages, and returns the updated pages plus the last hidden state of the rows that produce
+logits. Layers are stacked with `nn.scan`, so the program holds one layer body whatever the depth.
+The KV pages ride in the scan carry and are updated with scatters at the layer index, which XLA
+performs in place when the caller donates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kernels.metadata import AttentionMetadata
+from kernels.reference import ragged_paged_attention_reference, write_kv
+from models.config import ModelConfig, rope_inv_freq
+
+# (q (T, N, H), k_pages (P, B, K, H), v_pages (P, B, K, H), md) -> (T, N, H)
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The device block pool: every layer's K and V pages."""
+
+    k: jax.Array  # (L, P, B, K, H)
+    v: jax.Array  # (L, P, B, K, H)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    @staticmethod
+    def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+        itemsize = jnp.dtype(dtype).itemsize
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):  # (T, D)
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return w * x32.astype(self.dtype)
+
+
+def apply_rope(x, cos, sin):  # x (T, heads, H); cos/sin (T, H/2)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; `nn.scan` stacks L of them with params along axis 0."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    attn_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, carry, cos, sin, md: AttentionMetadata):
+        x, k_pages, v_pages, layer = carry  # x (T, D); pages (L, P, B, K, H); layer ()
+        cfg, dt = self.cfg, self.dtype
+        d, n, kh, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                          cfg.intermediate_size)
+        init = nn.initializers.normal(0.02)
+
+        y = RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x)
+        wq = self.param("wq", init, (d, n, h), dt)
+        wk = self.param("wk", init, (d, kh, h), dt)
+        wv = self.param("wv", init, (d, kh, h), dt)
+        q = jnp.einsum("TD,DNH->TNH", y, wq)
+        k = jnp.einsum("TD,DKH->TKH", y, wk)
+        v = jnp.einsum("TD,DKH->TKH", y, wv)
+        if cfg.attention_bias:
+            q = q + self.param("bq", nn.initializers.zeros, (n, h), dt)
+            k = k + self.param("bk", nn.initializers.zeros, (kh, h), dt)
+            v = v + self.param("bv", nn.initializers.zeros, (kh, h), dt)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        lk, lv = write_kv(k_pages[layer], v_pages[layer], k, v, md.slot_mapping)
+        k_pages = jax.lax.dynamic_update_index_in_dim(k_pages, lk, layer, 0)
+        v_pages = jax.lax.dynamic_update_index_in_dim(v_pages, lv, layer, 0)
+        attn = self.attn_fn(q, lk, lv, md)  # (T, N, H)
+        wo = self.param("wo", init, (n, h, d), dt)
+        x = x + jnp.einsum("TNH,NHD->TD", attn, wo)
+
+        y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
+        gate = jnp.einsum("TD,DF->TF", y, self.param("w_gate", init, (d, f), dt))
+        up = jnp.einsum("TD,DF->TF", y, self.param("w_up", init, (d, f), dt))
+        x = x + jnp.einsum("TF,FD->TD", nn.silu(gate) * up, self.param("w_down", init, (f, d), dt))
+        return (x, k_pages, v_pages, layer + 1), None
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    attn_fn: AttentionFn = ragged_paged_attention_reference
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: jax.Array,  # (T,) int32
+        kv: KVCache,
+        md: AttentionMetadata,
+        logits_indices: jax.Array,  # (S,) int32: the row whose hidden state makes each seq's logits
+    ) -> tuple[KVCache, jax.Array]:  # logits (S, V) float32
+        cfg, dt = self.cfg, self.dtype
+        embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
+                           dt)
+        x = embed[input_ids]  # (T, D)
+
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # (H/2,)
+        freqs = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
+        cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
+
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+        )(cfg, dt, self.attn_fn, name="layers")
+        (x, k_pages, v_pages, _), _ = layers((x, kv.k, kv.v, jnp.int32(0)), cos, sin, md)
+
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x[logits_indices])  # (S, D)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("SD,VD->SV", x, embed, preferred_element_type=jnp.float32)
+        else:
+            lm_head = self.param("lm_head", nn.initializers.normal(0.02),
+                                 (cfg.hidden_size, cfg.vocab_size), dt)
+            logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
+        return KVCache(k=k_pages, v=v_pages), logits

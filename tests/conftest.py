@@ -1,0 +1,103 @@
+"""Shared fixtures: the real default model (loaded once), its HF oracle, and tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+
+# Many tests build engines over the same model; identical programs then come from the cache.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("JAXSERVE_TEST_XLA_CACHE", "/tmp/jaxserve-test-xla-cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+TINY_ARCHS = ("llama", "qwen2", "mistral")
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The default model (SmolLM2-135M-Instruct GGUF), loaded once for the whole run."""
+    from models.loader import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """HF transformers' own load of the same GGUF: the oracle for greedy token ids."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
+    """Write a tiny random-weight model with `save_pretrained` and return the torch model."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.1, eos_token_id=2, bos_token_id=1)
+    common |= overrides
+    if arch == "llama":
+        cfg = tf.LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 64}, **common)
+        cls = tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{arch: (directory, torch model)} for the tiny random Llama, Qwen2 and Mistral models."""
+    pytest.importorskip("torch")
+    out = {}
+    for i, arch in enumerate(TINY_ARCHS):
+        d = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+        out[arch] = (d, make_tiny_hf_model(arch, d, seed=i))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny Llama written without needing torch at test time (safetensors from numpy)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from models.config import ModelConfig
+    from models.loader import expected_hf_shapes
+
+    d = tmp_path_factory.mktemp("tiny-llama-np")
+    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+              rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    (d / "config.json").write_text(json.dumps(hf))
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, shape in expected_hf_shapes(ModelConfig.from_hf(hf)).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = np.ones(shape, np.float32)
+        else:
+            tensors[name] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    save_file(tensors, str(d / "model.safetensors"))
+    return str(d)
