@@ -47,16 +47,14 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already in the cache before this step
     num_tokens: int  # query tokens this step
+    samples: bool = False  # the step reaches the sequence's end, so a token is sampled
+    is_prefill: bool = True  # prompt (or recompute) tokens rather than one decode token
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence, so a token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        return not (self.num_tokens == 1 and self.seq.num_output_tokens > 0
-                    and self.start == self.seq.num_tokens - 1)
+    @staticmethod
+    def of(seq: Sequence, num_tokens: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, start, num_tokens, start + num_tokens == seq.num_tokens,
+                            not seq.is_decoding)
 
 
 @dataclasses.dataclass(slots=True)
@@ -131,7 +129,7 @@ class Scheduler:
             if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
                 continue  # seq itself was preempted
             bm.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             scheduled_ids.add(seq.request_id)
             budget -= n
 
@@ -153,7 +151,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, 0, n))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
         return out
 
@@ -222,7 +220,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.swap_in.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
 
     # ---------------------------------------------------------------------------- completion
