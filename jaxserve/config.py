@@ -33,8 +33,12 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     enable_step_trace: bool = False
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "static" (a baseline)
+    priority_aging_s: float | None = None  # every this many seconds waited = one level higher
+    preemption_mode: str = "recompute"  # "recompute" | "swap" (falls back to recompute when full)
+    swap_space_bytes: int = 256 << 20  # host pool for swap preemption
+    prefill_chunk_alignment: int = 1  # cut prompt chunks to multiples of this (not the last one)
+    max_waiting_requests: int | None = None  # None: unbounded waiting queue
 
     def __post_init__(self):
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -61,6 +65,15 @@ class EngineConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, "
                              f"got {self.preemption_mode!r}")
+        if self.priority_aging_s is not None and self.priority_aging_s <= 0:
+            raise ValueError(f"priority_aging_s must be positive, got {self.priority_aging_s}")
+        if self.prefill_chunk_alignment < 1:
+            raise ValueError(f"prefill_chunk_alignment must be >= 1, "
+                             f"got {self.prefill_chunk_alignment}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         for name in ("token_buckets", "seq_buckets", "block_buckets"):
             b = getattr(self, name)
             if b is not None and (not b or any(x <= 0 for x in b)):

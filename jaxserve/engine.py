@@ -20,7 +20,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduler import Scheduler, SchedulerConfig, SwapSpace
 from jaxserve.sequence import Sequence
 from models.loader import LoadedModel, load_model
 
@@ -49,6 +49,10 @@ class StepRecord:
         return sum(d for _, _, d in self.requests)
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting_requests already; try again later."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  **kwargs):
@@ -62,8 +66,11 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=config.max_model_len, policy=config.scheduling_policy,
+                            priority_aging_s=config.priority_aging_s,
+                            prefill_chunk_alignment=config.prefill_chunk_alignment,
                             preemption_mode=config.preemption_mode),
-            self.block_manager)
+            self.block_manager,
+            SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -94,6 +101,9 @@ class LLMEngine:
             raise ValueError(f"priority must be an int, got {priority!r}")
         ids = self._prompt_ids(prompt, prompt_token_ids)
         self._check_fits(len(ids), params)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"waiting queue is full (max_waiting_requests={limit})")
         seed = params.seed if params.seed is not None else (
             (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
         seq = Sequence(request_id, ids, params, self._arrivals, seed, priority, arrival_time)
@@ -167,6 +177,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
+        for device_ids, host_ids in sched.swap_out:
+            self.runner.swap_out(device_ids, host_ids)
+        for device_ids, host_ids in sched.swap_in:
+            self.runner.swap_in(device_ids, host_ids)
         if sched.is_empty:
             return outputs
         inp = build_step_inputs(sched.scheduled, self.runner.buckets, self.config.block_size,

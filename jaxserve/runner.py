@@ -54,6 +54,20 @@ class ModelRunner:
             per_block = KVCache.bytes_per_block(mc, config.block_size, self.dtype)
             self.num_blocks = max(1, config.kv_cache_memory_bytes // per_block)
         self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
+        self.num_host_blocks = 0
+        if config.preemption_mode == "swap":
+            per_block = KVCache.bytes_per_block(mc, config.block_size, self.dtype)
+            self.num_host_blocks = config.swap_space_bytes // per_block
+        # The host pool for swap preemption: (L, host blocks, B, K, H), preallocated.
+        host_shape = (mc.num_layers, self.num_host_blocks, self.block_size, mc.num_kv_heads,
+                      mc.head_dim)
+        self.host_k = np.zeros(host_shape, self.dtype)
+        self.host_v = np.zeros(host_shape, self.dtype)
+        self._gather_blocks = jax.jit(lambda kv, ids: (kv.k[:, ids], kv.v[:, ids]))
+        self._scatter_blocks = jax.jit(
+            lambda kv, ids, k, v: KVCache(kv.k.at[:, ids].set(k, mode="drop"),
+                                          kv.v.at[:, ids].set(v, mode="drop")),
+            donate_argnums=(0,))
         self.buckets = config.buckets()
         self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
                                donate_argnums=(1,))
@@ -87,10 +101,48 @@ class ModelRunner:
         for bucket in self.all_buckets():
             if bucket not in self._executables:
                 self._compile(bucket)
+        if self.num_host_blocks:
+            n = 1
+            while True:  # the swap copies, one program per power-of-two block count
+                self._swap_programs(n)
+                if n >= self.num_blocks:
+                    break
+                n *= 2
         self.is_warm = True
         dt = time.perf_counter() - t0
         logger.info("warmup: %d programs in %.1fs", len(self._executables), dt)
         return dt
+
+    # ----------------------------------------------------------------------------------- swap
+
+    def _padded_ids(self, ids: list[int]) -> np.ndarray:
+        n = 1
+        while n < len(ids):
+            n *= 2
+        # Padding ids point past the pool: gathers clamp (rows ignored), scatters drop them.
+        out = np.full(n, self.num_blocks, np.int32)
+        out[:len(ids)] = ids
+        return out
+
+    def _swap_programs(self, n: int) -> None:
+        ids = np.full(n, self.num_blocks, np.int32)
+        k, v = self._gather_blocks(self.kv, ids)
+        self.kv = self._scatter_blocks(self.kv, ids, k, v)
+
+    def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
+        """Copy device blocks to the host pool (before the step that may reuse them)."""
+        k, v = self._gather_blocks(self.kv, self._padded_ids(device_ids))
+        n = len(device_ids)
+        self.host_k[:, host_ids] = np.asarray(k)[:, :n]
+        self.host_v[:, host_ids] = np.asarray(v)[:, :n]
+
+    def swap_in(self, device_ids: list[int], host_ids: list[int]) -> None:
+        ids = self._padded_ids(device_ids)
+        shape = (self.host_k.shape[0], len(ids), *self.host_k.shape[2:])
+        k, v = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        k[:, :len(host_ids)] = self.host_k[:, host_ids]
+        v[:, :len(host_ids)] = self.host_v[:, host_ids]
+        self.kv = self._scatter_blocks(self.kv, ids, k, v)
 
     # -------------------------------------------------------------------------------- execute
 

@@ -15,9 +15,11 @@ freed, or copied to the host pool in swap mode) and resumes later exactly where 
 Policies: "fcfs" (arrival order), "priority" (smaller number first, ties by arrival, optional
 aging) and "static" (a baseline: admit a batch, run it until every member finishes).
 
-Aging rule: a waiting request's effective priority is `priority - floor(waited_s / aging_s)`, so
-every `priority_aging_s` seconds of waiting is worth one priority level; a request that waits long
-enough outranks any fixed priority, which bounds starvation.
+Aging rule: a request's effective priority is `priority - floor(age_s / priority_aging_s)`, with
+age counted from arrival: every `priority_aging_s` seconds in the system are worth one priority
+level. A request that waits long enough outranks any newly arrived one, which bounds starvation,
+and preemption needs a strictly better effective priority, so requests of equal standing never
+evict each other back and forth.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
-    # (sequence, its device block ids) to copy to the host pool before the step / back from it.
-    swap_out: list[Sequence] = dataclasses.field(default_factory=list)
-    swap_in: list[Sequence] = dataclasses.field(default_factory=list)
+    # Copies the engine makes before the forward: (device block ids, host block ids). The device
+    # blocks of a swap-out may already be reassigned in this same schedule; that is safe because
+    # the copy runs before the forward writes anything.
+    swap_out: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +106,9 @@ class Scheduler:
         if self.config.policy != "priority":
             return (seq.arrival_index,)
         prio = seq.priority
-        if self.config.priority_aging_s and seq.status is not SequenceStatus.RUNNING:
+        if self.config.priority_aging_s:
+            # Age counts from arrival for running requests too, so an aged request that got in
+            # is not thrown out again by the next arrival it outranked.
             prio -= math.floor((now - seq.arrival_time) / self.config.priority_aging_s)
         return (prio, seq.arrival_index)
 
@@ -115,7 +121,8 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         self.running.sort(key=lambda s: self._key(s, now))
         if cfg.policy == "priority":
-            self._preempt_for_priority(now, out)
+            self._preempt_for_priority(now, budget, out)
+        num_priority_preemptions = len(out.preempted)
 
         decodes = [s for s in self.running if s.is_decoding]
         partial = [s for s in self.running if not s.is_decoding]
@@ -133,20 +140,23 @@ class Scheduler:
             scheduled_ids.add(seq.request_id)
             budget -= n
 
-        if out.preempted or out.swap_out:
-            return out  # memory is short: admit nothing new this step
-        self._swap_in(out, budget)
-        budget -= sum(s.num_tokens for s in out.scheduled if s.seq in out.swap_in)
-        if cfg.policy == "static" and (self.running or self.swapped):
-            return out  # the batch runs until its last member finishes
-        self.waiting.sort(key=lambda s: self._key(s, now))
-        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+        if len(out.preempted) > num_priority_preemptions:
+            return out  # memory is short for the running ones: admit nothing new this step
+        for seq in self._admission_order(now):
+            if len(self.running) >= cfg.max_num_seqs or budget <= 0:
+                break
             n = self._chunk(seq, budget)
-            if n == 0 or not bm.can_allocate(seq, n):
+            if n == 0 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 break  # head-of-line: later arrivals do not jump the queue
-            self.waiting.pop(0)
-            bm.allocate(seq, n)
+            if seq.status is SequenceStatus.SWAPPED:
+                self.swapped.remove(seq)
+                num_host = seq.num_swapped_blocks
+                host_ids = self.swap_space.release(seq)
+                bm.allocate(seq, seq.num_computed_tokens + n)
+                out.swap_in.append((seq.block_table[:num_host], host_ids))
+            else:
+                self.waiting.remove(seq)
+                bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -154,6 +164,16 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
         return out
+
+    def _admission_order(self, now: float) -> list[Sequence]:
+        """Who may enter the running set next, best first."""
+        if self.config.policy == "static" and (self.running or self.swapped):
+            return list(self.swapped)  # the batch runs until its last member finishes
+        if self.config.policy == "priority":
+            return sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now))
+        # FCFS: swapped sequences were running before anything now waiting was admitted.
+        self.waiting.sort(key=lambda s: self._key(s, now))
+        return self.swapped + self.waiting
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
@@ -175,14 +195,24 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt_for_priority(self, now: float, out: SchedulerOutput) -> None:
-        """A waiting request that outranks a running one takes its place when seqs are full."""
-        if not self.waiting or len(self.running) < self.config.max_num_seqs:
-            return
-        best = min(self.waiting, key=lambda s: self._key(s, now))
-        worst = max(self.running, key=lambda s: self._key(s, now))
-        if self._key(best, now)[0] < self._key(worst, now)[0]:
-            self._preempt(worst, out)
+    def _preempt_for_priority(self, now: float, budget: int, out: SchedulerOutput) -> None:
+        """Preempt running requests that a waiting one outranks, when seqs or blocks are full."""
+        bm = self.block_manager
+        free, num_running = bm.num_free_blocks, len(self.running)
+        for cand in sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now)):
+            n = min(cand.num_uncomputed_tokens, budget)
+            need = bm.num_new_blocks(cand, cand.num_computed_tokens + n)
+            while (num_running >= self.config.max_num_seqs or need > free) and self.running:
+                worst = self.running[-1]  # running is sorted: the worst is last
+                if self._key(worst, now)[0] <= self._key(cand, now)[0]:
+                    return  # nobody running is outranked by the best candidate left
+                free += len(worst.block_table)
+                num_running -= 1
+                self._preempt(worst, out)
+            if num_running >= self.config.max_num_seqs or need > free:
+                return
+            num_running += 1
+            free -= need
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -192,36 +222,15 @@ class Scheduler:
         swap = self.swap_space
         if (self.config.preemption_mode == "swap" and swap is not None
                 and seq.num_computed_tokens > 0 and swap.can_hold(len(seq.block_table))):
-            swap.reserve(seq)
+            out.swap_out.append((list(seq.block_table), swap.reserve(seq)))
+            self.block_manager.free(seq)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
-            out.swap_out.append(seq)  # the engine copies, then calls finish_swap_out
             return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0  # recompute: prompt + generated tokens are prefilled again
         seq.status = SequenceStatus.WAITING
         self.waiting.insert(0, seq)
-
-    def finish_swap_out(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> None:
-        """Bring swapped sequences back (oldest first) while seqs, tokens and blocks allow."""
-        bm = self.block_manager
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
-            n = self._chunk(seq, budget)
-            blocks = seq.num_swapped_blocks
-            need = max(blocks, bm.blocks_needed(seq.num_computed_tokens + n))
-            if n == 0 or need > bm.num_free_blocks:
-                return
-            self.swapped.pop(0)
-            bm.allocate(seq, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.swap_in.append(seq)
-            out.scheduled.append(ScheduledSeq.of(seq, n))
-            budget -= n
 
     # ---------------------------------------------------------------------------- completion
 
