@@ -83,7 +83,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
     for file in files:
         tensors.update(_read_safetensors(file))
     cfg, params = hf_to_params(cfg, tensors)
-    return LoadedModel(cfg, params, _load_tokenizer(path), path)
+    return LoadedModel(cfg, params, load_tokenizer(path), path)
 
 
 def _read_safetensors(file: str) -> dict[str, np.ndarray]:
@@ -98,7 +98,7 @@ def _read_safetensors(file: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _load_tokenizer(path: str, **kw):
+def load_tokenizer(path: str, **kw):
     from transformers import AutoTokenizer
 
     try:
@@ -158,7 +158,7 @@ def _load_gguf(file: str) -> LoadedModel:
                 arr = _unpermute_rows(arr, cfg.num_kv_heads)
         tensors[name] = arr
     directory, base = os.path.split(file)
-    tokenizer = _load_tokenizer(directory, gguf_file=base)
+    tokenizer = load_tokenizer(directory, gguf_file=base)
     cfg, params = hf_to_params(cfg, tensors)
     return LoadedModel(cfg, params, tokenizer, file)
 

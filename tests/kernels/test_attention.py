@@ -1,0 +1,133 @@
+"""Attention kernels against the jnp reference: Pallas in interpret mode on the CPU, Triton on GPUs.
+
+Tolerances: float32 inputs, max abs error 2e-5; bfloat16 inputs (both sides read the same bf16
+pages and queries, the reference accumulates in float32 too), max abs error 2e-2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.metadata import AttentionMetadata
+from kernels.pallas_attention import ragged_paged_attention
+from kernels.reference import ragged_paged_attention_reference, write_kv
+
+TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def make_case(seed: int, seqs: list[tuple[int, int]], kv_heads: int, groups: int,
+              dtype: str, block_size: int = 16, head_dim: int = 32, t_pad: int | None = None):
+    """seqs: (query rows this step, context length after the step) per sequence."""
+    rng = np.random.default_rng(seed)
+    num_tokens = sum(q for q, _ in seqs)
+    t_pad = t_pad or -(-num_tokens // 16) * 16 + 16
+    s_pad = len(seqs) + 2  # padding sequences too
+    mb = max(-(-c // block_size) for _, c in seqs) + 1
+    pages = sum(-(-c // block_size) for _, c in seqs) + 5
+    perm = rng.permutation(pages)  # shuffled: a sequence's pages are scattered over the pool
+    bt = np.zeros((s_pad, mb), np.int32)
+    qsl = np.full(s_pad + 1, num_tokens, np.int32)
+    ctx = np.zeros(s_pad, np.int32)
+    pos = np.zeros(t_pad, np.int32)
+    tseq = np.zeros(t_pad, np.int32)
+    row = used = 0
+    for i, (ql, c) in enumerate(seqs):
+        nb = -(-c // block_size)
+        bt[i, :nb] = perm[used:used + nb]
+        used += nb
+        qsl[i], ctx[i] = row, c
+        pos[row:row + ql] = np.arange(c - ql, c)
+        tseq[row:row + ql] = i
+        row += ql
+    md = AttentionMetadata(positions=jnp.asarray(pos), token_seq=jnp.asarray(tseq),
+                           slot_mapping=jnp.zeros(t_pad, jnp.int32), block_tables=jnp.asarray(bt),
+                           context_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl))
+    n = kv_heads * groups
+    dt = jnp.dtype(dtype)
+    q = jnp.asarray(rng.standard_normal((t_pad, n, head_dim)), dt)
+    k = jnp.asarray(rng.standard_normal((pages, block_size, kv_heads, head_dim)), dt)
+    v = jnp.asarray(rng.standard_normal((pages, block_size, kv_heads, head_dim)), dt)
+    return q, k, v, md, num_tokens
+
+
+# Chunk lengths 1..65 (decodes, a full tile, tile + 1, several tiles), contexts that end inside
+# a block, exactly on a boundary, and one past it.
+MIXED = [(1, 1), (1, 17), (7, 40), (16, 16), (17, 33), (1, 32), (33, 64), (65, 65), (2, 81)]
+
+
+@pytest.mark.parametrize("groups", [1, 3, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_matches_reference(groups, dtype):
+    q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype)
+    want = ragged_paged_attention_reference(q, k, v, md)
+    got = ragged_paged_attention(q, k, v, md, interpret=True)
+    assert got.dtype == q.dtype
+    err = float(jnp.max(jnp.abs(got[:t].astype(jnp.float32) - want[:t].astype(jnp.float32))))
+    assert err <= TOL[dtype], f"max abs error {err}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pallas_random_ragged_batches(seed):
+    rng = np.random.default_rng(100 + seed)
+    seqs = []
+    for _ in range(int(rng.integers(1, 7))):
+        ql = int(rng.integers(1, 66))
+        seqs.append((ql, ql + int(rng.integers(0, 70))))
+    block_size = int(rng.choice([8, 16]))
+    q, k, v, md, t = make_case(seed, seqs, kv_heads=int(rng.choice([1, 2])), groups=3,
+                               dtype="float32", block_size=block_size)
+    want = ragged_paged_attention_reference(q, k, v, md)
+    got = ragged_paged_attention(q, k, v, md, interpret=True)
+    np.testing.assert_allclose(np.asarray(got[:t]), np.asarray(want[:t]), atol=TOL["float32"])
+
+
+def test_pallas_writes_nothing_outside_its_rows():
+    """Rows of one sequence are computed by its own tiles only: perturbing another sequence's
+    pages or queries leaves them unchanged, and the pages are never written."""
+    q, k, v, md, t = make_case(0, [(5, 20), (9, 9), (1, 30)], kv_heads=2, groups=2,
+                               dtype="float32")
+    base = ragged_paged_attention(q, k, v, md, interpret=True)
+    other_pages = np.asarray(md.block_tables[1][:1])
+    k2 = k.at[other_pages].add(1.0)
+    q2 = q.at[5:14].add(1.0)  # sequence 1's rows
+    out = ragged_paged_attention(q2, k2, v, md, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out[:5]), np.asarray(base[:5]))
+    np.testing.assert_array_equal(np.asarray(out[14:t]), np.asarray(base[14:t]))
+
+
+def test_bad_shapes_raise_value_error():
+    q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="float32")
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        ragged_paged_attention(q[:, :3], k, v, md, interpret=True)
+    with pytest.raises(ValueError, match="head dim"):
+        ragged_paged_attention(q[..., :16], k, v, md, interpret=True)
+    with pytest.raises(ValueError, match="dtype"):
+        ragged_paged_attention(q, k.astype(jnp.bfloat16), v, md, interpret=True)
+
+
+def test_reference_write_drops_padding_slots():
+    k = jnp.zeros((2, 4, 1, 2))
+    new = jnp.ones((3, 1, 2))
+    out, _ = write_kv(k, k, new, new, jnp.array([1, 6, 8], jnp.int32))  # 8 = out of range
+    flat = np.asarray(out).reshape(8, 2)
+    assert flat[1].tolist() == [1, 1] and flat[6].tolist() == [1, 1]
+    assert flat.sum() == 4
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: Triton kernels have no CPU mode and the "
+                                       "Pallas kernel is only compiled (not interpreted) there")
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_kernels_match_reference(backend, dtype):
+    from kernels import select_attention
+
+    _, fn = select_attention(backend)
+    q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype)
+    want = ragged_paged_attention_reference(q, k, v, md)
+    got = fn(q, k, v, md)
+    err = float(jnp.max(jnp.abs(got[:t].astype(jnp.float32) - want[:t].astype(jnp.float32))))
+    assert err <= 2 * TOL[dtype]
