@@ -40,9 +40,10 @@ def _kernel(
     qsl_ref,  # (S + 1,) int32: query_start_loc
     ctx_ref,  # (S,) int32: context length after this step
     bt_ref,  # (S, MB) int32: block tables
+    layer_ref,  # (1,) int32: which layer of the pool to read
     q_ref,  # (T + block_q, N, H): queries, padded by one tile so slices stay in bounds
-    k_ref,  # (P, B, K, H)
-    v_ref,  # (P, B, K, H)
+    k_ref,  # (L, P, B, K, H)
+    v_ref,  # (L, P, B, K, H)
     o_ref,  # (T + block_q, N, H)
     *,
     block_q: int,
@@ -50,7 +51,8 @@ def _kernel(
     scale: float,
 ):
     tile, kh = pl.program_id(0), pl.program_id(1)
-    page = k_ref.shape[1]
+    page = k_ref.shape[2]
+    layer = layer_ref[0]
     seq = tile_seq_ref[tile]
     row0 = tile_row_ref[tile]
     start = qsl_ref[seq]
@@ -69,13 +71,13 @@ def _kernel(
 
         def body(j, carry):
             blk = bt_ref[seq, j]
-            k = plgpu.load(k_ref.at[blk, :, kh, :])  # (B, H)
-            v = plgpu.load(v_ref.at[blk, :, kh, :])  # (B, H)
+            k = plgpu.load(k_ref.at[layer, blk, :, kh, :])  # (B, H)
+            v = plgpu.load(v_ref.at[layer, blk, :, kh, :])  # (B, H)
             key_pos = j * page + jnp.arange(page, dtype=jnp.int32)  # (B,)
             visible = key_pos[None, :] <= q_pos[:, None]  # (BQ, B)
             out = []
             for g in range(groups):
-                m, l, acc = carry[g]
+                m, denom, acc = carry[g]
                 s = jnp.dot(qs[g], k.T, preferred_element_type=jnp.float32) * scale  # (BQ, B)
                 s = jnp.where(visible, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=-1))  # (BQ,)
@@ -83,10 +85,10 @@ def _kernel(
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp(s - m_safe[:, None])  # (BQ, B)
                 alpha = jnp.exp(m - m_safe)  # (BQ,)
-                l = alpha * l + p.sum(axis=-1)
+                denom = alpha * denom + p.sum(axis=-1)
                 acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
                                                      preferred_element_type=jnp.float32)
-                out.append((m_new, l, acc))
+                out.append((m_new, denom, acc))
             return tuple(out)
 
         h = q_ref.shape[-1]
@@ -95,8 +97,8 @@ def _kernel(
                       jnp.zeros((block_q, h), jnp.float32)) for _ in range(groups))
         final = jax.lax.fori_loop(0, num_pages, body, init)
         for g in range(groups):
-            _, l, acc = final[g]
-            out = acc / jnp.where(l == 0, 1.0, l)[:, None]
+            _, denom, acc = final[g]
+            out = acc / jnp.where(denom == 0, 1.0, denom)[:, None]
             plgpu.store(o_ref.at[pl.ds(start + row0, block_q), kh * groups + g, :],
                         out.astype(o_ref.dtype), mask=row_ok[:, None])
 
@@ -139,8 +141,9 @@ def _tiles(query_start_loc: jax.Array, num_tiles: int, block_q: int):
                                              "scale"))
 def ragged_paged_attention(
     q: jax.Array,  # (T, N, H)
-    k_pages: jax.Array,  # (P, B, K, H)
-    v_pages: jax.Array,  # (P, B, K, H)
+    k_pages: jax.Array,  # (L, P, B, K, H)
+    v_pages: jax.Array,  # (L, P, B, K, H)
+    layer: jax.Array,  # () int32
     md: AttentionMetadata,
     *,
     scale: float | None = None,
@@ -151,13 +154,16 @@ def ragged_paged_attention(
 ) -> jax.Array:  # (T, N, H)
     """Attention of one step's ragged query rows over the paged KV pool.
 
+    The pools hold every layer; `layer` picks one, so the caller never slices a copy out.
     Rows of sequence s are q[query_start_loc[s]:query_start_loc[s + 1]], at positions ending at
     context_lens[s] - 1; each attends causally to its sequence's first (position + 1) keys,
     found through block_tables[s]. Rows past query_start_loc[-1] are padding and come back
     unspecified. float32 or bfloat16 inputs; float32 accumulation.
     """
     t, n, h = q.shape
-    p, b, kv_heads, h_kv = k_pages.shape
+    if k_pages.ndim != 5:
+        raise ValueError(f"k_pages must be (L, P, B, K, H), got shape {k_pages.shape}")
+    _, p, b, kv_heads, h_kv = k_pages.shape
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
     if h_kv != h:
@@ -178,8 +184,9 @@ def ragged_paged_attention(
     q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     call = _build(t + block_q, n, h, kv_heads, num_tiles, q.dtype, block_q=block_q, scale=scale,
                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
-    out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, q_pad,
-               k_pages, v_pages)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
+               q_pad, k_pages, v_pages)
     return out[:t]
 
 

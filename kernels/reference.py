@@ -15,38 +15,44 @@ from kernels.metadata import AttentionMetadata
 
 
 def write_kv(
-    k_pages: jax.Array,  # (P, B, K, H)
-    v_pages: jax.Array,  # (P, B, K, H)
+    k_pool: jax.Array,  # (L, P, B, K, H)
+    v_pool: jax.Array,  # (L, P, B, K, H)
+    layer: jax.Array,  # () int32
     k: jax.Array,  # (T, K, H)
     v: jax.Array,  # (T, K, H)
     slot_mapping: jax.Array,  # (T,) int32; out-of-range slots are dropped (padding rows)
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's K/V into their slots; returns the updated pages."""
-    p, b, kh, h = k_pages.shape
-    k_flat = k_pages.reshape(p * b, kh, h).at[slot_mapping].set(
-        k.astype(k_pages.dtype), mode="drop")
-    v_flat = v_pages.reshape(p * b, kh, h).at[slot_mapping].set(
-        v.astype(v_pages.dtype), mode="drop")
-    return k_flat.reshape(p, b, kh, h), v_flat.reshape(p, b, kh, h)
+    """Scatter this step's K/V of one layer into their slots; returns the updated pools.
+
+    The scatter addresses the whole pool (layer, block, offset) rather than a sliced-out layer,
+    so that inside the layer scan XLA updates the donated pool in place instead of copying a
+    layer's pages out and back every layer.
+    """
+    b = k_pool.shape[2]
+    blk, off = slot_mapping // b, slot_mapping % b
+    k_pool = k_pool.at[layer, blk, off].set(k.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[layer, blk, off].set(v.astype(v_pool.dtype), mode="drop")
+    return k_pool, v_pool
 
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # (T, N, H)
-    k_pages: jax.Array,  # (P, B, K, H)
-    v_pages: jax.Array,  # (P, B, K, H)
+    k_pool: jax.Array,  # (L, P, B, K, H)
+    v_pool: jax.Array,  # (L, P, B, K, H)
+    layer: jax.Array,  # () int32
     md: AttentionMetadata,
     *,
     scale: float | None = None,
 ) -> jax.Array:  # (T, N, H)
     t, n, h = q.shape
-    _, b, kh, _ = k_pages.shape
+    _, _, b, kh, _ = k_pool.shape
     g = n // kh
     mb = md.block_tables.shape[1]
     scale = h**-0.5 if scale is None else scale
 
     tables = md.block_tables[md.token_seq]  # (T, MB)
-    k = k_pages[tables].reshape(t, mb * b, kh, h)  # (T, C, K, H)
-    v = v_pages[tables].reshape(t, mb * b, kh, h)  # (T, C, K, H)
+    k = k_pool[layer, tables].reshape(t, mb * b, kh, h)  # (T, C, K, H)
+    v = v_pool[layer, tables].reshape(t, mb * b, kh, h)  # (T, C, K, H)
     qg = q.reshape(t, kh, g, h)
     scores = jnp.einsum("tkgh,tckh->tkgc", qg, k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(mb * b, dtype=jnp.int32)

@@ -43,9 +43,10 @@ if triton is not None:
     @triton.jit
     def _kernel(
         q_ptr,  # (T + BQ, N, H)
-        k_ptr,  # (P, B, KH, H)
-        v_ptr,  # (P, B, KH, H)
+        k_ptr,  # (L, P, B, KH, H)
+        v_ptr,  # (L, P, B, KH, H)
         bt_ptr,  # (S, MB) int32
+        layer_ptr,  # (1,) int32
         qsl_ptr,  # (S + 1,) int32
         ctx_ptr,  # (S,) int32
         tile_seq_ptr,  # (NT,) int32
@@ -53,6 +54,7 @@ if triton is not None:
         o_ptr,  # (T + BQ, N, H)
         scale: tl.constexpr,
         MB: tl.constexpr,
+        P: tl.constexpr,
         N: tl.constexpr,
         KH: tl.constexpr,
         H: tl.constexpr,
@@ -64,6 +66,7 @@ if triton is not None:
         kh = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + tile)
         row0 = tl.load(tile_row_ptr + tile)
+        layer = tl.load(layer_ptr)
         start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - start
         if row0 < q_len:
@@ -81,11 +84,13 @@ if triton is not None:
                 q_off = ((start + rows)[:, None] * N + head) * H + offs_h[None, :]
                 q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
                 m = tl.full([BQ], float("-inf"), tl.float32)
-                l = tl.zeros([BQ], tl.float32)
+                denom = tl.zeros([BQ], tl.float32)
                 acc = tl.zeros([BQ, H], tl.float32)
                 for j in range(0, num_pages):
                     blk = tl.load(bt_ptr + seq * MB + j)
-                    kv_off = ((blk * B + offs_b)[:, None] * KH + kh) * H + offs_h[None, :]
+                    # (B,) rows of the flattened pool; int64 since big pools pass 2**31
+                    page_row = (layer.to(tl.int64) * P + blk) * B + offs_b
+                    kv_off = (page_row[:, None] * KH + kh) * H + offs_h[None, :]
                     k = tl.load(k_ptr + kv_off)
                     v = tl.load(v_ptr + kv_off)
                     s = tl.dot(q, tl.trans(k)) * scale
@@ -95,18 +100,19 @@ if triton is not None:
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                     p = tl.exp(s - m_safe[:, None])
                     alpha = tl.exp(m - m_safe)
-                    l = alpha * l + tl.sum(p, 1)
+                    denom = alpha * denom + tl.sum(p, 1)
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                     m = m_new
-                out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+                out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
                 tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "num_warps", "num_stages", "scale"))
 def ragged_paged_attention_triton(
     q: jax.Array,  # (T, N, H)
-    k_pages: jax.Array,  # (P, B, K, H)
-    v_pages: jax.Array,  # (P, B, K, H)
+    k_pages: jax.Array,  # (L, P, B, K, H)
+    v_pages: jax.Array,  # (L, P, B, K, H)
+    layer: jax.Array,  # () int32
     md: AttentionMetadata,
     *,
     scale: float | None = None,
@@ -119,7 +125,9 @@ def ragged_paged_attention_triton(
     if reason:
         raise ValueError(reason)
     t, n, h = q.shape
-    p, b, kv_heads, h_kv = k_pages.shape
+    if k_pages.ndim != 5:
+        raise ValueError(f"k_pages must be (L, P, B, K, H), got shape {k_pages.shape}")
+    _, p, b, kv_heads, h_kv = k_pages.shape
     if h_kv != h or n % kv_heads or v_pages.shape != k_pages.shape:
         raise ValueError(f"bad shapes: q {q.shape}, k_pages {k_pages.shape}, "
                          f"v_pages {v_pages.shape}")
@@ -131,14 +139,14 @@ def ragged_paged_attention_triton(
     tile_seq, tile_row = _tiles(md.query_start_loc, num_tiles, block_q)
     q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     out = jt.triton_call(
-        q_pad, k_pages, v_pages, md.block_tables, md.query_start_loc, md.context_lens,
-        tile_seq, tile_row,
+        q_pad, k_pages, v_pages, md.block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
+        md.query_start_loc, md.context_lens, tile_seq, tile_row,
         kernel=_kernel,
         out_shape=jax.ShapeDtypeStruct(q_pad.shape, q.dtype),
         grid=(num_tiles, kv_heads),
         num_warps=num_warps,
         num_stages=num_stages,
-        scale=float(scale), MB=mb, N=n, KH=kv_heads, H=h, B=b, BQ=block_q, G=n // kv_heads,
+        scale=float(scale), MB=mb, P=p, N=n, KH=kv_heads, H=h, B=b, BQ=block_q, G=n // kv_heads,
     )
     return out[:t]
 

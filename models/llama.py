@@ -3,8 +3,9 @@
 The forward takes one step's tokens (prefill chunks and decodes mixed, flattened to T rows) and
 the KV pages, and returns the updated pages plus the last hidden state of the rows that produce
 logits. Layers are stacked with `nn.scan`, so the program holds one layer body whatever the depth.
-The KV pages ride in the scan carry and are updated with scatters at the layer index, which XLA
-performs in place when the caller donates them.
+The KV pool rides in the scan carry whole; each layer scatters into it at (layer, block, offset)
+and attention reads it at its layer index, so XLA updates the donated pool in place (slicing a
+layer out and writing it back would copy the pool every step).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import ragged_paged_attention_reference, write_kv
 from models.config import ModelConfig, rope_inv_freq
 
-# (q (T, N, H), k_pages (P, B, K, H), v_pages (P, B, K, H), md) -> (T, N, H)
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+# (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
 
 
 @jax.tree_util.register_dataclass
@@ -99,10 +100,8 @@ class DecoderLayer(nn.Module):
             v = v + self.param("bv", nn.initializers.zeros, (kh, h), dt)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        lk, lv = write_kv(k_pages[layer], v_pages[layer], k, v, md.slot_mapping)
-        k_pages = jax.lax.dynamic_update_index_in_dim(k_pages, lk, layer, 0)
-        v_pages = jax.lax.dynamic_update_index_in_dim(v_pages, lv, layer, 0)
-        attn = self.attn_fn(q, lk, lv, md)  # (T, N, H)
+        k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
+        attn = self.attn_fn(q, k_pages, v_pages, layer, md)  # (T, N, H)
         wo = self.param("wo", init, (n, h, d), dt)
         x = x + jnp.einsum("TNH,NHD->TD", attn, wo)
 

@@ -17,6 +17,7 @@ from kernels.reference import ragged_paged_attention_reference, write_kv
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 ON_GPU = jax.default_backend() == "gpu"
+LAYER = jnp.int32(1)
 
 
 def make_case(seed: int, seqs: list[tuple[int, int]], kv_heads: int, groups: int,
@@ -49,8 +50,9 @@ def make_case(seed: int, seqs: list[tuple[int, int]], kv_heads: int, groups: int
     n = kv_heads * groups
     dt = jnp.dtype(dtype)
     q = jnp.asarray(rng.standard_normal((t_pad, n, head_dim)), dt)
-    k = jnp.asarray(rng.standard_normal((pages, block_size, kv_heads, head_dim)), dt)
-    v = jnp.asarray(rng.standard_normal((pages, block_size, kv_heads, head_dim)), dt)
+    # Two layers in the pool; the kernels read layer 1, so indexing by layer is exercised too.
+    k = jnp.asarray(rng.standard_normal((2, pages, block_size, kv_heads, head_dim)), dt)
+    v = jnp.asarray(rng.standard_normal((2, pages, block_size, kv_heads, head_dim)), dt)
     return q, k, v, md, num_tokens
 
 
@@ -63,8 +65,8 @@ MIXED = [(1, 1), (1, 17), (7, 40), (16, 16), (17, 33), (1, 32), (33, 64), (65, 6
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pallas_matches_reference(groups, dtype):
     q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype)
-    want = ragged_paged_attention_reference(q, k, v, md)
-    got = ragged_paged_attention(q, k, v, md, interpret=True)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    got = ragged_paged_attention(q, k, v, LAYER, md, interpret=True)
     assert got.dtype == q.dtype
     err = float(jnp.max(jnp.abs(got[:t].astype(jnp.float32) - want[:t].astype(jnp.float32))))
     assert err <= TOL[dtype], f"max abs error {err}"
@@ -80,8 +82,8 @@ def test_pallas_random_ragged_batches(seed):
     block_size = int(rng.choice([8, 16]))
     q, k, v, md, t = make_case(seed, seqs, kv_heads=int(rng.choice([1, 2])), groups=3,
                                dtype="float32", block_size=block_size)
-    want = ragged_paged_attention_reference(q, k, v, md)
-    got = ragged_paged_attention(q, k, v, md, interpret=True)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    got = ragged_paged_attention(q, k, v, LAYER, md, interpret=True)
     np.testing.assert_allclose(np.asarray(got[:t]), np.asarray(want[:t]), atol=TOL["float32"])
 
 
@@ -90,11 +92,11 @@ def test_pallas_writes_nothing_outside_its_rows():
     pages or queries leaves them unchanged, and the pages are never written."""
     q, k, v, md, t = make_case(0, [(5, 20), (9, 9), (1, 30)], kv_heads=2, groups=2,
                                dtype="float32")
-    base = ragged_paged_attention(q, k, v, md, interpret=True)
+    base = ragged_paged_attention(q, k, v, LAYER, md, interpret=True)
     other_pages = np.asarray(md.block_tables[1][:1])
-    k2 = k.at[other_pages].add(1.0)
+    k2 = k.at[LAYER, other_pages].add(1.0)
     q2 = q.at[5:14].add(1.0)  # sequence 1's rows
-    out = ragged_paged_attention(q2, k2, v, md, interpret=True)
+    out = ragged_paged_attention(q2, k2, v, LAYER, md, interpret=True)
     np.testing.assert_array_equal(np.asarray(out[:5]), np.asarray(base[:5]))
     np.testing.assert_array_equal(np.asarray(out[14:t]), np.asarray(base[14:t]))
 
@@ -102,20 +104,20 @@ def test_pallas_writes_nothing_outside_its_rows():
 def test_bad_shapes_raise_value_error():
     q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="float32")
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        ragged_paged_attention(q[:, :3], k, v, md, interpret=True)
+        ragged_paged_attention(q[:, :3], k, v, LAYER, md, interpret=True)
     with pytest.raises(ValueError, match="head dim"):
-        ragged_paged_attention(q[..., :16], k, v, md, interpret=True)
+        ragged_paged_attention(q[..., :16], k, v, LAYER, md, interpret=True)
     with pytest.raises(ValueError, match="dtype"):
-        ragged_paged_attention(q, k.astype(jnp.bfloat16), v, md, interpret=True)
+        ragged_paged_attention(q, k.astype(jnp.bfloat16), v, LAYER, md, interpret=True)
 
 
-def test_reference_write_drops_padding_slots():
-    k = jnp.zeros((2, 4, 1, 2))
+def test_reference_write_hits_one_layer_and_drops_padding_slots():
+    k = jnp.zeros((3, 2, 4, 1, 2))  # (L, P, B, K, H)
     new = jnp.ones((3, 1, 2))
-    out, _ = write_kv(k, k, new, new, jnp.array([1, 6, 8], jnp.int32))  # 8 = out of range
-    flat = np.asarray(out).reshape(8, 2)
+    out, _ = write_kv(k, k, jnp.int32(1), new, new, jnp.array([1, 6, 8], jnp.int32))  # 8: padding
+    flat = np.asarray(out[1]).reshape(8, 2)
     assert flat[1].tolist() == [1, 1] and flat[6].tolist() == [1, 1]
-    assert flat.sum() == 4
+    assert flat.sum() == 4 and float(out.sum()) == 4
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: Triton kernels have no CPU mode and the "
@@ -127,7 +129,7 @@ def test_gpu_kernels_match_reference(backend, dtype):
 
     _, fn = select_attention(backend)
     q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype)
-    want = ragged_paged_attention_reference(q, k, v, md)
-    got = fn(q, k, v, md)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    got = fn(q, k, v, LAYER, md)
     err = float(jnp.max(jnp.abs(got[:t].astype(jnp.float32) - want[:t].astype(jnp.float32))))
     assert err <= 2 * TOL[dtype]
