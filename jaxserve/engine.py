@@ -17,6 +17,7 @@ from jaxserve.batch import build_step_inputs
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -80,6 +81,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._arrivals = 0
         self.num_steps = 0
+        self.metrics = EngineMetrics()
         self.step_trace: list[StepRecord] | None = [] if config.enable_step_trace else None
 
     # ------------------------------------------------------------------------------ requests
@@ -88,7 +90,17 @@ class LLMEngine:
                     params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. A bad field raises ValueError naming it; nothing else is touched."""
+        """Queue a request. A bad field raises ValueError naming it; nothing else is touched.
+
+        A full waiting queue raises QueueFullError."""
+        try:
+            self._add_request(request_id, prompt, params, prompt_token_ids, priority,
+                              arrival_time)
+        except (ValueError, QueueFullError):
+            self.metrics.record_rejection()
+            raise
+
+    def _add_request(self, request_id, prompt, params, prompt_token_ids, priority, arrival_time):
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -157,6 +169,7 @@ class LLMEngine:
             return False
         self.scheduler.finish(seq, "abort")
         seq.finished_time = time.perf_counter()
+        self.metrics.record_finished(seq)
         self._pending_outputs.append(self._output(seq, "", []))
         self._prompts.pop(request_id, None)
         return True
@@ -193,6 +206,12 @@ class LLMEngine:
             seq.num_computed_tokens = s.start + s.num_tokens
             if s.samples:
                 outputs.append(self._append_token(seq, int(result["tokens"][i]), now, result, i))
+        prefill = sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
+        decode = sched.num_tokens - prefill
+        sampled = sum(s.samples for s in sched.scheduled)
+        self.metrics.record_step(now - t0, prefill, decode, sampled,
+                                 len(self.scheduler.running), len(self.scheduler.waiting),
+                                 self.block_manager.num_used_blocks)
         if self.step_trace is not None:
             self.step_trace.append(StepRecord(
                 self.num_steps,
@@ -201,6 +220,27 @@ class LLMEngine:
                 now - t0, inp.bucket))
         self.num_steps += 1
         return outputs
+
+    def metrics_snapshot(self) -> dict:
+        """Engine-wide figures as a plain dict (what /metrics and the bench harness read)."""
+        m, bm = self.metrics, self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "host_blocks_used": (self.scheduler.swap_space.num_used
+                                 if self.scheduler.swap_space else 0),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_rejections": m.num_rejections,
+            "num_requests_finished": m.num_requests_finished,
+            "prompt_tokens": m.prompt_tokens,
+            "generation_tokens": m.generation_tokens,
+            "num_steps": m.num_steps,
+            "num_compiles": self.runner.num_compiles,
+        }
 
     def _append_token(self, seq: Sequence, token: int, now: float, result: dict,
                       row: int) -> RequestOutput:
@@ -244,6 +284,7 @@ class LLMEngine:
             seq.stop_reason = stop_reason
             seq.finished_time = now
             self.scheduler.finish(seq, reason)
+            self.metrics.record_finished(seq)
             self.requests.pop(seq.request_id, None)
         return self._output(seq, new_text, [token])
 

@@ -1,0 +1,54 @@
+"""`python scripts/serve.py` as a process: options, warmup, the listening line, graceful stop."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from jaxserve.client import Client
+
+
+def test_help_lists_engine_and_server_options():
+    out = subprocess.run([sys.executable, "scripts/serve.py", "--help"], capture_output=True,
+                         text=True, timeout=120).stdout
+    for opt in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--dtype",
+                "--scheduling-policy", "--preemption-mode", "--attention-backend", "--port",
+                "--http-port", "--api-key", "--max-frame-bytes", "--max-tokens-limit",
+                "--shutdown-timeout-s"):
+        assert opt in out
+
+
+def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/serve.py", "--model", tiny_llama_dir, "--port", "0",
+         "--http-port", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+         "--max-model-len", "128", "--num-kv-blocks", "32", "--token-buckets", "16", "32",
+         "--seq-buckets", "4", "--block-buckets", "8"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.time() + 240
+        port = None
+        while time.time() < deadline and port is None:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on socket 127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+        assert port, "".join(lines)
+        assert any("warmup compiled 2 programs" in ln for ln in lines), "".join(lines)
+        with Client(port=port) as c:
+            done = c.generate(prompt_token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True)
+            assert done["completion_tokens"] == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        rest = proc.stderr.read()
+        assert "stopped" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
