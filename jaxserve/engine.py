@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 
+import jax
 import numpy as np
 
 from jaxserve.batch import build_step_inputs
@@ -187,25 +188,33 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
+        # "forward" and "sample" are also named scopes inside the compiled step.
         t0 = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
-        sched = self.scheduler.schedule()
-        for device_ids, host_ids in sched.swap_out:
-            self.runner.swap_out(device_ids, host_ids)
-        for device_ids, host_ids in sched.swap_in:
-            self.runner.swap_in(device_ids, host_ids)
+        with jax.profiler.TraceAnnotation("jaxserve.schedule"):
+            sched = self.scheduler.schedule()
+            for device_ids, host_ids in sched.swap_out:
+                self.runner.swap_out(device_ids, host_ids)
+            for device_ids, host_ids in sched.swap_in:
+                self.runner.swap_in(device_ids, host_ids)
         if sched.is_empty:
             return outputs
-        inp = build_step_inputs(sched.scheduled, self.runner.buckets, self.config.block_size,
-                                self.runner.num_blocks)
-        want_lp = any(s.seq.params.logprobs is not None and s.samples for s in sched.scheduled)
-        result = self.runner.execute(inp, want_lp)
+        with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
+            inp = build_step_inputs(sched.scheduled, self.runner.buckets, self.config.block_size,
+                                    self.runner.num_blocks)
+            want_lp = any(s.seq.params.logprobs is not None and s.samples
+                          for s in sched.scheduled)
+        with jax.profiler.TraceAnnotation("jaxserve.forward"):
+            result = self.runner.execute(inp, want_lp)
         now = time.perf_counter()
-        for i, s in enumerate(sched.scheduled):
-            seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_tokens
-            if s.samples:
-                outputs.append(self._append_token(seq, int(result["tokens"][i]), now, result, i))
+        with jax.profiler.TraceAnnotation("jaxserve.postprocess"):
+            for i, s in enumerate(sched.scheduled):
+                seq = s.seq
+                seq.num_computed_tokens = s.start + s.num_tokens
+                if s.samples:
+                    outputs.append(
+                        self._append_token(seq, int(result["tokens"][i]), now, result, i))
         prefill = sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
         decode = sched.num_tokens - prefill
         sampled = sum(s.samples for s in sched.scheduled)

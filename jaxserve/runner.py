@@ -76,9 +76,11 @@ class ModelRunner:
         self.is_warm = False
 
     def _step(self, params, kv: KVCache, inp: StepInputs, max_logprobs: int):
-        kv, logits = self.model.apply({"params": params}, inp.input_ids, kv, inp.attn,
-                                      inp.logits_indices)
-        return kv, sample(logits, inp.sampling, max_logprobs)
+        with jax.named_scope("forward"):
+            kv, logits = self.model.apply({"params": params}, inp.input_ids, kv, inp.attn,
+                                          inp.logits_indices)
+        with jax.named_scope("sample"):
+            return kv, sample(logits, inp.sampling, max_logprobs)
 
     # -------------------------------------------------------------------------------- compile
 

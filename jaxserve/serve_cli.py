@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
     _add_dataclass_options(ap.add_argument_group("engine"), EngineConfig)
     _add_dataclass_options(ap.add_argument_group("server"), ServerConfig)
+    ap.add_argument("--profile-dir", default=None,
+                    help="write an XLA profiler trace of --profile-steps engine steps here "
+                         "(starting with the first request)")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--profiler-port", type=int, default=None,
+                    help="start a jax.profiler server on this port for live capture")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip compiling every bucket before accepting connections")
     ap.add_argument("--log-level", default="INFO")
@@ -61,12 +67,10 @@ def split_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     return EngineConfig(**eng), ServerConfig(**srv)
 
 
-async def serve(engine, server_config: ServerConfig, ready=None) -> None:
-    server = Server(engine, server_config)
+async def serve(engine, server_config: ServerConfig, step_hooks: tuple = ()) -> None:
+    server = Server(engine, server_config, step_hooks)
     await server.start()
     logger.info("jaxserve listening on %s", server.where())
-    if ready is not None:
-        ready(server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -91,5 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_warmup:
         dt = engine.warmup()
         logger.info("warmup compiled %d programs in %.1fs", engine.runner.num_compiles, dt)
-    asyncio.run(serve(engine, server_config))
+    hooks = ()
+    profiler = None
+    if args.profile_dir:
+        from jaxserve.profiling import StepWindowProfiler
+
+        profiler = StepWindowProfiler(args.profile_dir, args.profile_steps)
+        hooks = (profiler.on_step,)
+    if args.profiler_port:
+        from jaxserve.profiling import start_profiler_server
+
+        start_profiler_server(args.profiler_port)
+    asyncio.run(serve(engine, server_config, hooks))
+    if profiler is not None:
+        profiler.stop()
     return 0

@@ -74,12 +74,19 @@ class _Conn:
 
 
 class Server:
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None):
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None,
+                 step_hooks: tuple = ()):
         self.engine = engine
         self.config = config or ServerConfig()
         self.exporter = PrometheusExporter()
+        hooks = (self.exporter.update, *step_hooks)  # each: hook(engine, outputs), engine thread
+
+        def on_step(engine, outputs):
+            for hook in hooks:
+                hook(engine, outputs)
+
         self.async_engine = AsyncEngine(engine, self.config.max_queue_per_request,
-                                        on_step=self.exporter.update)
+                                        on_step=on_step)
         self._conn_numbers = itertools.count()
         self._conns: set[_Conn] = set()
         self._socket_server: asyncio.base_events.Server | None = None
