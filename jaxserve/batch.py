@@ -62,33 +62,33 @@ def build_step_inputs(
     seeds = np.zeros(s_pad, np.uint32)
     steps = np.zeros(s_pad, np.int32)
 
-    row = 0
+    # Per-sequence values, then token rows derived with vectorized numpy: this runs on the host
+    # every step while the device waits, so no per-token Python.
+    ns = np.fromiter((s.num_tokens for s in scheduled), np.int32, num_seqs)
+    starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
+    qsl = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(ns, out=qsl[1:])
+    query_start_loc[:num_seqs] = qsl[:-1]
+    context_lens[:num_seqs] = starts + ns
+    logits_indices[:num_seqs] = qsl[1:] - 1
     for i, sch in enumerate(scheduled):
-        seq, start, n = sch.seq, sch.start, sch.num_tokens
-        end = start + n
-        table = seq.block_table
+        table = sch.seq.block_table
         block_tables[i, :len(table)] = table
-        query_start_loc[i] = row
-        context_lens[i] = end
-        logits_indices[i] = row + n - 1
-        if n == 1:  # the decode fast path: no ranges to build
-            input_ids[row] = seq.token_at(start)
-            positions[row] = start
-            slot_mapping[row] = table[start // block_size] * block_size + start % block_size
-        else:
-            pos = np.arange(start, end, dtype=np.int32)
-            input_ids[row:row + n] = seq.tokens(start, end)
-            positions[row:row + n] = pos
-            slot_mapping[row:row + n] = (np.asarray(table, np.int32)[pos // block_size] * block_size
-                                         + pos % block_size)
-        token_seq[row:row + n] = i
-        p = seq.params
-        temperature[i] = p.temperature
-        top_p[i] = p.top_p
-        top_k[i] = p.top_k
-        seeds[i] = seq.seed
-        steps[i] = seq.num_output_tokens
-        row += n
+    seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), ns)  # (num_tokens,)
+    pos = starts[seq_of_row] + (np.arange(num_tokens, dtype=np.int32) - qsl[:-1][seq_of_row])
+    positions[:num_tokens] = pos
+    token_seq[:num_tokens] = seq_of_row
+    slot_mapping[:num_tokens] = (block_tables[seq_of_row, pos // block_size] * block_size
+                                 + pos % block_size)
+    input_ids[:num_tokens] = [t for s in scheduled for t in (
+        (s.seq.token_at(s.start),) if s.num_tokens == 1
+        else s.seq.tokens(s.start, s.start + s.num_tokens))]
+    params = [s.seq.params for s in scheduled]
+    temperature[:num_seqs] = [p.temperature for p in params]
+    top_p[:num_seqs] = [p.top_p for p in params]
+    top_k[:num_seqs] = [p.top_k for p in params]
+    seeds[:num_seqs] = [s.seq.seed for s in scheduled]
+    steps[:num_seqs] = [s.seq.num_output_tokens for s in scheduled]
 
     return StepInputs(
         input_ids=input_ids,

@@ -253,7 +253,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, now: float, result: dict,
                       row: int) -> RequestOutput:
-        seq.output_token_ids.append(token)
+        seq.append_token(token)
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now

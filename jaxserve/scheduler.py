@@ -28,9 +28,12 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from operator import attrgetter
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.sequence import Sequence, SequenceStatus
+
+_BY_ARRIVAL = attrgetter("arrival_index")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,6 +115,12 @@ class Scheduler:
             prio -= math.floor((now - seq.arrival_time) / self.config.priority_aging_s)
         return (prio, seq.arrival_index)
 
+    def _sort(self, seqs: list[Sequence], now: float) -> None:
+        if self.config.policy == "priority":
+            seqs.sort(key=lambda s: self._key(s, now))
+        else:
+            seqs.sort(key=_BY_ARRIVAL)  # C-level key: this runs every step over every request
+
     # -------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -119,15 +128,31 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(scheduled=[])
         budget = cfg.max_num_batched_tokens
-        self.running.sort(key=lambda s: self._key(s, now))
+        self._sort(self.running, now)
         if cfg.policy == "priority":
             self._preempt_for_priority(now, budget, out)
         num_priority_preemptions = len(out.preempted)
 
-        decodes = [s for s in self.running if s.is_decoding]
-        partial = [s for s in self.running if not s.is_decoding]
+        decodes, partial = [], []
+        for s in self.running:
+            (decodes if s.is_decoding else partial).append(s)
         scheduled_ids: set[str] = set()
-        for seq in decodes + partial:
+        block_size = bm.block_size
+        running = SequenceStatus.RUNNING
+        for seq in decodes:  # the hot path: one token each, a new block only at a boundary
+            if budget <= 0:
+                break
+            if seq.status is not running:
+                continue  # preempted earlier in this loop
+            start = seq.num_computed_tokens
+            if start >= len(seq.block_table) * block_size:
+                if not self._make_room(seq, start + 1, scheduled_ids, out):
+                    continue
+                bm.allocate(seq, start + 1)
+            out.scheduled.append(ScheduledSeq(seq, start, 1, True, False))
+            scheduled_ids.add(seq.request_id)
+            budget -= 1
+        for seq in partial:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._chunk(seq, budget)
@@ -172,7 +197,7 @@ class Scheduler:
         if self.config.policy == "priority":
             return sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now))
         # FCFS: swapped sequences were running before anything now waiting was admitted.
-        self.waiting.sort(key=lambda s: self._key(s, now))
+        self._sort(self.waiting, now)
         return self.swapped + self.waiting
 
     def _chunk(self, seq: Sequence, budget: int) -> int:

@@ -18,7 +18,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Prompt plus generated tokens. `num_computed_tokens` of them have K/V in the cache."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "arrival_time",
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "num_tokens", "params",
+                 "arrival_time",
                  "arrival_index", "priority", "status", "num_computed_tokens", "block_table",
                  "finish_reason", "stop_reason", "num_preemptions", "first_scheduled_time",
                  "first_token_time", "finished_time", "token_times", "seed", "detok", "text",
@@ -30,6 +31,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.num_tokens = len(self.prompt_token_ids)  # prompt + generated; kept, not computed
         self.params = params
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.arrival_index = arrival_index
@@ -50,9 +52,9 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.num_swapped_blocks = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,7 +75,7 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         """Only the last sampled token lacks K/V: one query token this step."""
-        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+        return self.num_tokens - self.num_computed_tokens == 1 and bool(self.output_token_ids)
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

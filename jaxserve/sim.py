@@ -72,7 +72,7 @@ class SimExecutor:
                 self._check_and_write(seq, sch.start, sch.num_tokens)
             seq.num_computed_tokens = sch.start + sch.num_tokens
             if sch.samples:
-                seq.output_token_ids.append(fake_token(seq.request_id, seq.num_output_tokens))
+                seq.append_token(fake_token(seq.request_id, seq.num_output_tokens))
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     self.scheduler.finish(seq, "length")
                     self.finished[seq.request_id] = self.requests.pop(seq.request_id)

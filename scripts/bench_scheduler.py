@@ -64,7 +64,7 @@ def bench(num_running: int, steps: int, seed: int = 0) -> dict:
             seq = sch.seq
             seq.num_computed_tokens = sch.start + sch.num_tokens
             if sch.samples:
-                seq.output_token_ids.append(1)
+                seq.append_token(1)
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq, "length")
                     sim.requests.pop(seq.request_id)
