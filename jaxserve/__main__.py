@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     t1 = time.perf_counter()
-    n = 0
+    n, reason = 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             sys.stdout.write(out.outputs[0].new_text)

@@ -127,6 +127,8 @@ def summarize(results: list[RequestResult], duration_s: float, workload: list[Be
         out[f"{name}_mean_s"] = float(np.mean(vals)) if vals else None
         for q in (50, 95, 99):
             out[f"{name}_p{q}_s"] = _pct(vals, q)
+    if samples:
+        out["engine_steps"] = len(samples["running"])
     for key, vals in (samples or {}).items():
         out[f"mean_{key}"] = float(np.mean(vals)) if vals else None
         out[f"peak_{key}"] = float(np.max(vals)) if vals else None
@@ -446,7 +448,7 @@ _TABLE_ROWS = [("completed req/s", "completed_req_per_s", 1), ("output tok/s", "
                ("queue p50 (s)", "queue_p50_s", 1), ("mean running", "mean_running", 1),
                ("mean waiting", "mean_waiting", 1), ("mean KV usage", "mean_kv_usage", 1),
                ("peak KV usage", "peak_kv_usage", 1), ("preemptions", "preemptions", 1),
-               ("rejections", "rejections", 1),
+               ("rejections", "rejections", 1), ("engine steps", "engine_steps", 1),
                ("tok/s vs jaxserve", "throughput_ratio_vs_jaxserve", 1)]
 
 

@@ -172,7 +172,6 @@ class LLMEngine:
         seq.finished_time = time.perf_counter()
         self.metrics.record_finished(seq)
         self._pending_outputs.append(self._output(seq, "", []))
-        self._prompts.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -44,14 +44,20 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
         ids = []
-        for prompt, params in zip(prompts, sampling_params, strict=True):
-            rid = f"gen-{self._next_id}"
-            self._next_id += 1
-            if isinstance(prompt, str):
-                self.engine.add_request(rid, prompt, params)
-            else:
-                self.engine.add_request(rid, prompt_token_ids=list(prompt), params=params)
-            ids.append(rid)
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                rid = f"gen-{self._next_id}"
+                self._next_id += 1
+                if isinstance(prompt, str):
+                    self.engine.add_request(rid, prompt, params)
+                else:
+                    self.engine.add_request(rid, prompt_token_ids=list(prompt), params=params)
+                ids.append(rid)
+        except ValueError as e:
+            for rid in ids:  # all or nothing: the prompts already queued are withdrawn
+                self.engine.abort(rid)
+            self.engine.step()  # drain their abort outputs
+            raise ValueError(f"prompt {len(ids)}: {e}") from e
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -248,3 +248,17 @@ def test_logprobs_are_consistent(tiny_llama_dir):
         assert max(top, key=top.get) == tok
         assert lp["logprob"] == pytest.approx(top[tok])
         assert lp["logprob"] <= 0
+
+
+def test_llm_generate_is_all_or_nothing_on_bad_input(tiny_llama_dir):
+    from jaxserve import LLM
+
+    llm = LLM(tiny_llama_dir, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+              num_kv_blocks=32)
+    good = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValueError, match="prompt 1: .*temperature"):
+        llm.generate([[5, 6], [7, 8]], [good, SamplingParams(temperature=-1)], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == 32
+    outs = llm.generate([[5, 6], [7, 8]], good, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
