@@ -139,8 +139,10 @@ def summarize(results: list[RequestResult], duration_s: float, workload: list[Be
 
 
 def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
-               on_step: Callable[[int], None] | None = None):
-    """Feed the workload to an LLMEngine in process at its arrival times; step until done."""
+               on_step: Callable[[int], None] | None = None, concurrency: int | None = None):
+    """Feed the workload to an LLMEngine in process at its arrival times (or, with
+    `concurrency`, closed loop: a new request as soon as fewer than that many are in flight);
+    step until done."""
     from tqdm.auto import tqdm
 
     from jaxserve.sampling_params import SamplingParams
@@ -154,14 +156,16 @@ def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
     steps = 0
     while pending or engine.has_unfinished_requests():
         now = time.perf_counter() - t0
-        while pending and pending[0].arrival_s <= now:
+        while pending and (engine.num_unfinished_requests < concurrency if concurrency
+                           else pending[0].arrival_s <= now):
             r = pending.pop(0)
+            arrival = time.perf_counter() if concurrency else t0 + r.arrival_s
             rid = f"bench-{r.index}"
             results[rid] = RequestResult(r.index, len(r.prompt_token_ids))
             params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
             try:
                 engine.add_request(rid, prompt_token_ids=r.prompt_token_ids, params=params,
-                                   arrival_time=t0 + r.arrival_s)
+                                   arrival_time=arrival)
             except Exception as e:  # noqa: BLE001 - refused requests are part of the result
                 results[rid].rejected = f"{type(e).__name__}: {e}"
                 bar.update(1)

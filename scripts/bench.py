@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="name=v1,v2 over engine fields or 'rate'; repeat for a grid")
     r.add_argument("--server", default=None, help="HOST:PORT of a running serve.py")
     r.add_argument("--concurrency", type=int, default=None,
-                   help="with --server: closed loop with this many clients")
+                   help="closed loop: this many requests in flight (clients, with --server)")
     r.add_argument("--out-dir", default="bench-out")
     r.add_argument("--profile-dir", default=None)
     r.add_argument("--profile-steps", type=int, default=20)
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
             profiler = (StepWindowProfiler(args.profile_dir, args.profile_steps)
                         if args.profile_dir else None)
             res, dur, samples = bench.run_engine(
-                engine, workload, progress, on_step=profiler.on_step if profiler else None)
+                engine, workload, progress, on_step=profiler.on_step if profiler else None,
+                concurrency=args.concurrency)
             if profiler:
                 profiler.stop()
             summaries = {"jaxserve": bench.summarize(res, dur, workload, samples)}

@@ -118,3 +118,13 @@ def test_compare_runs_all_four_systems(tiny_models):
         assert s["completed"] == 6, name
         assert s["output_tokens"] == sum(r.max_tokens for r in wl), name
         assert s["throughput_ratio_vs_jaxserve"] > 0
+
+
+def test_closed_loop_keeps_concurrency_in_flight(tiny_llama_dir):
+    e = engine(tiny_llama_dir)
+    wl = bench.make_workload(bench.WorkloadConfig(num_requests=10, prompt_len="fixed:6",
+                                                  output_len="uniform:3:9"), 512)
+    res, dur, samples = bench.run_engine(e, wl, progress=False, concurrency=2)
+    assert len(res) == 10 and all(r.output_tokens == w.max_tokens for r, w in zip(
+        sorted(res, key=lambda r: r.index), wl, strict=True))
+    assert max(samples["running"]) <= 2
