@@ -25,11 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, check_attention_inputs, query_tiles
 from kernels.reference import ragged_paged_attention_reference
-
-_SKIP = 1 << 30  # first row of a padding tile: past any sequence, so the tile does nothing
-
 
 # ----------------------------------------------------------------------------------- kernel body
 
@@ -121,19 +118,6 @@ def _build(t_pad: int, n: int, h: int, kv_heads: int, num_tiles: int, dtype, *, 
     )
 
 
-def _tiles(query_start_loc: jax.Array, num_tiles: int, block_q: int):
-    """Map tile index -> (sequence, first row) with tiles never straddling two sequences."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # (S,)
-    per_seq = (q_lens + block_q - 1) // block_q
-    cum = jnp.cumsum(per_seq)  # (S,) inclusive
-    idx = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(cum, idx, side="right").astype(jnp.int32)
-    valid = idx < cum[-1]
-    seq = jnp.where(valid, seq, 0)
-    row = (idx - (cum[seq] - per_seq[seq])) * block_q
-    return seq, jnp.where(valid, row, _SKIP).astype(jnp.int32)
-
-
 # ---------------------------------------------------------------------------------- public entry
 
 
@@ -160,27 +144,12 @@ def ragged_paged_attention(
     found through block_tables[s]. Rows past query_start_loc[-1] are padding and come back
     unspecified. float32 or bfloat16 inputs; float32 accumulation.
     """
+    check_attention_inputs(q, k_pages, v_pages, md)
     t, n, h = q.shape
-    if k_pages.ndim != 5:
-        raise ValueError(f"k_pages must be (L, P, B, K, H), got shape {k_pages.shape}")
-    _, p, b, kv_heads, h_kv = k_pages.shape
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
-    if h_kv != h:
-        raise ValueError(f"head dim of q ({h}) and of the pages ({h_kv}) differ")
-    if n % kv_heads:
-        raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({kv_heads})")
-    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"page dtype {k_pages.dtype} must match q dtype {q.dtype}")
-    s = md.context_lens.shape[0]
-    if md.query_start_loc.shape != (s + 1,) or md.block_tables.shape[0] != s:
-        raise ValueError("metadata: query_start_loc must be (S + 1,) and block_tables (S, MB) "
-                         f"for S = {s}, got {md.query_start_loc.shape}, {md.block_tables.shape}")
+    kv_heads = k_pages.shape[3]
     scale = h**-0.5 if scale is None else scale
-    num_tiles = t // block_q + s  # each sequence adds at most one partial tile
-    tile_seq, tile_row = _tiles(md.query_start_loc, num_tiles, block_q)
+    num_tiles = t // block_q + md.context_lens.shape[0]  # a sequence adds <= 1 partial tile
+    tile_seq, tile_row = query_tiles(md.query_start_loc, num_tiles, block_q)
     q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     call = _build(t + block_q, n, h, kv_heads, num_tiles, q.dtype, block_q=block_q, scale=scale,
                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)

@@ -14,8 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import AttentionMetadata
-from kernels.pallas_attention import _tiles
+from kernels.metadata import AttentionMetadata, check_attention_inputs, query_tiles
 from kernels.reference import ragged_paged_attention_reference
 
 try:  # both are GPU-only installs (the `gpu` extra)
@@ -124,19 +123,13 @@ def ragged_paged_attention_triton(
     reason = available()
     if reason:
         raise ValueError(reason)
+    check_attention_inputs(q, k_pages, v_pages, md)
     t, n, h = q.shape
-    if k_pages.ndim != 5:
-        raise ValueError(f"k_pages must be (L, P, B, K, H), got shape {k_pages.shape}")
-    _, p, b, kv_heads, h_kv = k_pages.shape
-    if h_kv != h or n % kv_heads or v_pages.shape != k_pages.shape:
-        raise ValueError(f"bad shapes: q {q.shape}, k_pages {k_pages.shape}, "
-                         f"v_pages {v_pages.shape}")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"page dtype {k_pages.dtype} must match q dtype {q.dtype}")
+    _, p, b, kv_heads, _ = k_pages.shape
     s, mb = md.block_tables.shape
     scale = h**-0.5 if scale is None else scale
     num_tiles = t // block_q + s
-    tile_seq, tile_row = _tiles(md.query_start_loc, num_tiles, block_q)
+    tile_seq, tile_row = query_tiles(md.query_start_loc, num_tiles, block_q)
     q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     out = jt.triton_call(
         q_pad, k_pages, v_pages, md.block_tables, jnp.asarray(layer, jnp.int32).reshape(1),

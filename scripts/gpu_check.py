@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 from kernels import select_attention  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.reference import ragged_paged_attention_reference  # noqa: E402
+from kernels.testing import ragged_metadata  # noqa: E402
 
 PEAK_HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e11}
 
@@ -40,34 +41,12 @@ def peak_bandwidth() -> float | None:
 
 
 def make_batch(seqs, kv_heads, groups, head_dim, dtype, block_size=16, seed=0, layers=2):
-    """seqs: (query rows, context length) per sequence. Returns (q, k, v, layer, md, tokens)."""
-    rng = np.random.default_rng(seed)
-    num_tokens = sum(q for q, _ in seqs)
-    t_pad = -(-num_tokens // 16) * 16
-    s = len(seqs)
-    mb = max(-(-c // block_size) for _, c in seqs)
-    pages = sum(-(-c // block_size) for _, c in seqs)
-    perm = rng.permutation(pages).astype(np.int32)
-    bt = np.zeros((s, mb), np.int32)
-    qsl = np.full(s + 1, num_tokens, np.int32)
-    ctx = np.zeros(s, np.int32)
-    pos = np.zeros(t_pad, np.int32)
-    tseq = np.zeros(t_pad, np.int32)
-    row = used = 0
-    for i, (ql, c) in enumerate(seqs):
-        nb = -(-c // block_size)
-        bt[i, :nb] = perm[used:used + nb]
-        used += nb
-        qsl[i], ctx[i] = row, c
-        pos[row:row + ql] = np.arange(c - ql, c)
-        tseq[row:row + ql] = i
-        row += ql
-    md = AttentionMetadata(jnp.asarray(pos), jnp.asarray(tseq), jnp.zeros(t_pad, jnp.int32),
-                           jnp.asarray(bt), jnp.asarray(ctx), jnp.asarray(qsl))
+    """seqs: (query rows, context length) per sequence. Returns (q, k, v, layer, md, tokens).
+    Tensors are drawn on the device: the large shapes do not fit a host round trip quickly."""
+    md, num_tokens, pages = ragged_metadata(seqs, block_size, seed)
     n = kv_heads * groups
-    key = jax.random.key(seed)
-    k1, k2, k3 = jax.random.split(key, 3)
-    q = jax.random.normal(k1, (t_pad, n, head_dim), jnp.float32).astype(dtype)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(k1, (md.positions.shape[0], n, head_dim), jnp.float32).astype(dtype)
     shape = (layers, pages, block_size, kv_heads, head_dim)
     k = jax.random.normal(k2, shape, jnp.float32).astype(dtype)
     v = jax.random.normal(k3, shape, jnp.float32).astype(dtype)

@@ -10,6 +10,7 @@ import pytest
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.llm import LLM
+from tests.jaxserve.test_engine import run_all
 
 pytestmark = pytest.mark.slow
 
@@ -18,15 +19,6 @@ pytestmark = pytest.mark.slow
 def engine(smollm):
     return LLMEngine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
                                   num_kv_blocks=64), loaded=smollm)
-
-
-def finish(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def test_incremental_detokenizer_handles_multibyte(smollm):
@@ -58,7 +50,7 @@ def test_stream_text_equals_final_text_and_stop_string_trims(engine):
     stop = words[len(words) // 2]
     engine.add_request("stop", "The capital of France is",
                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
-    out = finish(engine)["stop"].outputs[0]
+    out = run_all(engine)["stop"].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[:free.text.index(stop)]
     assert stop not in out.text
@@ -70,7 +62,7 @@ def test_chat_prompt_stops_on_eos(engine):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     engine.add_request("chat", prompt, SamplingParams(temperature=0, max_tokens=64))
-    out = finish(engine)["chat"].outputs[0]
+    out = run_all(engine)["chat"].outputs[0]
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] in engine.eos_token_ids
     assert "Paris" in out.text

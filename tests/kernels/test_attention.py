@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.metadata import AttentionMetadata
 from kernels.pallas_attention import ragged_paged_attention
 from kernels.reference import ragged_paged_attention_reference, write_kv
+from kernels.testing import ragged_metadata
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 ON_GPU = jax.default_backend() == "gpu"
@@ -21,35 +21,13 @@ LAYER = jnp.int32(1)
 
 
 def make_case(seed: int, seqs: list[tuple[int, int]], kv_heads: int, groups: int,
-              dtype: str, block_size: int = 16, head_dim: int = 32, t_pad: int | None = None):
-    """seqs: (query rows this step, context length after the step) per sequence."""
+              dtype: str, block_size: int = 16, head_dim: int = 32):
+    """A mixed batch with padding rows and sequences, over shuffled pages with spares."""
+    md, num_tokens, pages = ragged_metadata(seqs, block_size, seed, pad_tokens=16, pad_seqs=2,
+                                            spare_pages=5)
     rng = np.random.default_rng(seed)
-    num_tokens = sum(q for q, _ in seqs)
-    t_pad = t_pad or -(-num_tokens // 16) * 16 + 16
-    s_pad = len(seqs) + 2  # padding sequences too
-    mb = max(-(-c // block_size) for _, c in seqs) + 1
-    pages = sum(-(-c // block_size) for _, c in seqs) + 5
-    perm = rng.permutation(pages)  # shuffled: a sequence's pages are scattered over the pool
-    bt = np.zeros((s_pad, mb), np.int32)
-    qsl = np.full(s_pad + 1, num_tokens, np.int32)
-    ctx = np.zeros(s_pad, np.int32)
-    pos = np.zeros(t_pad, np.int32)
-    tseq = np.zeros(t_pad, np.int32)
-    row = used = 0
-    for i, (ql, c) in enumerate(seqs):
-        nb = -(-c // block_size)
-        bt[i, :nb] = perm[used:used + nb]
-        used += nb
-        qsl[i], ctx[i] = row, c
-        pos[row:row + ql] = np.arange(c - ql, c)
-        tseq[row:row + ql] = i
-        row += ql
-    md = AttentionMetadata(positions=jnp.asarray(pos), token_seq=jnp.asarray(tseq),
-                           slot_mapping=jnp.zeros(t_pad, jnp.int32), block_tables=jnp.asarray(bt),
-                           context_lens=jnp.asarray(ctx), query_start_loc=jnp.asarray(qsl))
-    n = kv_heads * groups
-    dt = jnp.dtype(dtype)
-    q = jnp.asarray(rng.standard_normal((t_pad, n, head_dim)), dt)
+    n, dt = kv_heads * groups, jnp.dtype(dtype)
+    q = jnp.asarray(rng.standard_normal((md.positions.shape[0], n, head_dim)), dt)
     # Two layers in the pool; the kernels read layer 1, so indexing by layer is exercised too.
     k = jnp.asarray(rng.standard_normal((2, pages, block_size, kv_heads, head_dim)), dt)
     v = jnp.asarray(rng.standard_normal((2, pages, block_size, kv_heads, head_dim)), dt)
