@@ -134,6 +134,18 @@ _GGUF_NAMES = {
 
 
 def _load_gguf(file: str) -> LoadedModel:
+    from models import cache
+
+    hit = cache.load(file)
+    if hit is not None:
+        cfg, params, tokenizer = hit
+        return LoadedModel(cfg, params, tokenizer, file)
+    loaded = _convert_gguf(file)
+    cache.store(file, loaded.config, loaded.params, loaded.tokenizer)
+    return loaded
+
+
+def _convert_gguf(file: str) -> LoadedModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -76,3 +77,65 @@ def test_rope_parameters_from_transformers5_config():
     cfg = ModelConfig.from_hf(hf)
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == (8.0, 1.0, 4.0, 8192)
     assert "model.layers.0.self_attn.q_proj.weight" in expected_hf_shapes(cfg)
+
+
+def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """A GGUF as llama.cpp's converter writes it: llama arch, q/k rows permuted for its RoPE."""
+    import gguf
+
+    def permute(w, heads):
+        return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+                .swapaxes(1, 2).reshape(w.shape))
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight",
+                 "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight":
+                 "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+                 "self_attn.o_proj.weight": "attn_output.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight"}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    for name, arr in tensors.items():
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            out = f"blk.{i}.{per_layer[rest]}"
+            if rest == "self_attn.q_proj.weight":
+                arr = permute(arr, cfg.num_heads)
+            elif rest == "self_attn.k_proj.weight":
+                arr = permute(arr, cfg.num_kv_heads)
+        else:
+            out = names[name]
+        w.add_tensor(out, np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_roundtrip_restores_hf_layout_and_caches(tmp_path, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    from_st = load_model(tiny_llama_dir)
+    tensors = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
+    gguf_path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(gguf_path, tensors, from_st.config)
+    first = load_model(str(gguf_path))  # converts (and un-permutes q/k), then caches
+    assert (tmp_path / "cache").exists() and any((tmp_path / "cache").iterdir())
+    second = load_model(str(gguf_path))  # from the cache
+    for got in (first, second):
+        assert got.config.num_heads == 4 and got.config.num_kv_heads == 2
+        assert not got.config.tie_word_embeddings
+        for key in ("wq", "wk", "wv", "wo", "w_up"):
+            np.testing.assert_array_equal(got.params["layers"][key],
+                                          from_st.params["layers"][key])
+        np.testing.assert_array_equal(got.params["lm_head"], from_st.params["lm_head"])

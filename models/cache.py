@@ -1,0 +1,89 @@
+"""A cache of converted weights: dequantizing and re-laying-out a GGUF takes seconds on every
+start, so the resulting Flax param tree is saved once with orbax (plus the config and the
+tokenizer) and restored on later loads of the same file.
+
+The cache lives in $JAXSERVE_CACHE_DIR, else ~/.cache/jaxserve/converted; JAXSERVE_CACHE_DIR=""
+turns it off. An entry is keyed by the source file's absolute path, size and modification time,
+so a changed file is converted again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+_FORMAT = 1  # bump when the param layout changes, so stale entries are ignored
+
+
+def cache_root() -> str | None:
+    root = os.environ.get("JAXSERVE_CACHE_DIR")
+    if root == "":
+        return None
+    return root or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "converted")
+
+
+def entry_dir(source: str) -> str | None:
+    root = cache_root()
+    if root is None:
+        return None
+    st = os.stat(source)
+    key = f"{os.path.abspath(source)}|{st.st_size}|{st.st_mtime_ns}|{_FORMAT}"
+    return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def load(source: str) -> tuple[ModelConfig, dict[str, Any], Any] | None:
+    """(config, params, tokenizer) from the cache, or None on a miss or a damaged entry."""
+    d = entry_dir(source)
+    if d is None or not os.path.exists(os.path.join(d, "complete")):
+        return None
+    try:
+        import orbax.checkpoint as ocp
+
+        with open(os.path.join(d, "config.json")) as f:
+            raw = json.load(f)
+        raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        if raw["rope_scaling"] is not None:
+            raw["rope_scaling"] = tuple(raw["rope_scaling"])
+        cfg = ModelConfig(**raw)
+        with ocp.StandardCheckpointer() as ck:
+            params = ck.restore(os.path.join(d, "params"))
+        tokenizer = None
+        if os.path.isdir(os.path.join(d, "tokenizer")):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(os.path.join(d, "tokenizer"))
+        return cfg, params, tokenizer
+    except Exception as e:  # noqa: BLE001 - a bad entry is rebuilt, never fatal
+        logger.warning("ignoring converted-weights cache entry %s: %s", d, e)
+        return None
+
+
+def store(source: str, cfg: ModelConfig, params: dict[str, Any], tokenizer) -> None:
+    d = entry_dir(source)
+    if d is None:
+        return
+    try:
+        import orbax.checkpoint as ocp
+
+        tmp = d + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        with ocp.StandardCheckpointer() as ck:
+            ck.save(os.path.join(tmp, "params"), params)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+        open(os.path.join(tmp, "complete"), "w").close()
+        shutil.rmtree(d, ignore_errors=True)
+        os.replace(tmp, d)
+    except Exception as e:  # noqa: BLE001 - caching is an optimisation only
+        logger.warning("could not cache converted weights in %s: %s", d, e)
