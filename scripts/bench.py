@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--num-kv-blocks", type=int, default=None)
     e.add_argument("--scheduling-policy", default="fcfs")
     e.add_argument("--attention-backend", default="auto")
+    e.add_argument("--preemption-mode", default="recompute")
     e.add_argument("--no-warmup", action="store_true")
     r = ap.add_argument_group("run")
     r.add_argument("--compare", action="store_true",
@@ -64,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 ENGINE_KEYS = ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-               "num_kv_blocks", "scheduling_policy", "attention_backend")
+               "num_kv_blocks", "scheduling_policy", "attention_backend", "preemption_mode")
 
 
 def main(argv=None) -> int:
