@@ -73,7 +73,7 @@ def store(source: str, cfg: ModelConfig, params: dict[str, Any], tokenizer) -> N
     try:
         import orbax.checkpoint as ocp
 
-        tmp = d + ".tmp"
+        tmp = f"{d}.tmp{os.getpid()}"  # concurrent writers never share a staging dir
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         with ocp.StandardCheckpointer() as ck:
