@@ -493,52 +493,59 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------- plots
 
 
-def timeline_text(trace, request_ids: list[str] | None = None,
-                  arrivals: dict[str, int] | None = None) -> str:
-    """One row per request, one column per step: P prefill, D decode, . waiting, blank absent.
+def timeline_grid(trace, request_ids: list[str] | None = None,
+                  arrivals: dict[str, int] | None = None) -> tuple[list[str], list[str]]:
+    """(request ids, rows): per request one char per step, P prefill, D decode, '.' waiting
+    (arrived, or preempted, and not running), ' ' not in the system.
 
-    `arrivals` maps request id -> the step it arrived at (default: step 0 for all); a request
-    shows '.' from arrival until it first runs and blank after it last ran.
-    """
+    `arrivals` maps request id -> the step it arrived at (default: step 0 for all)."""
     ids = request_ids or list(dict.fromkeys(r for rec in trace for r in rec.request_ids))
     arrivals = arrivals or {}
-    last = {r: max(i for i, rec in enumerate(trace) if r in rec.request_ids) for r in ids
-            if any(r in rec.request_ids for rec in trace)}
-    rows = []
+    cells: dict[str, list[str]] = {r: [" "] * len(trace) for r in ids}
+    last: dict[str, int] = {}
+    for i, rec in enumerate(trace):
+        for rid, prefill, _decode in rec.requests:
+            if rid in cells:
+                cells[rid][i] = "P" if prefill else "D"
+                last[rid] = i
     for rid in ids:
-        cells = []
-        for i, rec in enumerate(trace):
-            entry = next((e for e in rec.requests if e[0] == rid), None)
-            if entry is not None:
-                cells.append("P" if entry[1] else "D")
-            elif arrivals.get(rid, 0) <= i < last.get(rid, -1):
-                cells.append(".")
-            else:
-                cells.append(" ")
-        rows.append(f"{rid:>6} " + "".join(cells).rstrip())
-    return "\n".join(rows)
+        for i in range(arrivals.get(rid, 0), last.get(rid, -1)):
+            if cells[rid][i] == " ":
+                cells[rid][i] = "."
+    return ids, ["".join(cells[r]) for r in ids]
 
 
-def plot_timeline(trace, path: str, max_num_seqs: int, title: str = "step timeline") -> None:
+def timeline_text(trace, request_ids: list[str] | None = None,
+                  arrivals: dict[str, int] | None = None) -> str:
+    """The step timeline as text: one row per request, one column per step."""
+    ids, rows = timeline_grid(trace, request_ids, arrivals)
+    return "\n".join(f"{rid:>6} {row.rstrip()}" for rid, row in zip(ids, rows, strict=True))
+
+
+def plot_timeline(trace, path: str, max_num_seqs: int, request_ids: list[str] | None = None,
+                  title: str = "step timeline") -> None:
+    """PNG of the timeline for `request_ids` (default all); the bottom row counts, for every
+    step, the sequence slots left idle (from the whole trace, not only the rows shown)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    ids = list(dict.fromkeys(r for rec in trace for r in rec.request_ids))
-    grid = np.zeros((len(ids) + 1, len(trace)))
-    index = {r: i for i, r in enumerate(ids)}
-    for j, rec in enumerate(trace):
-        for rid, p, _d in rec.requests:
-            grid[index[rid], j] = 2 if p else 1
-        grid[-1, j] = 3 if len(rec.requests) < max_num_seqs else 0  # idle slots this step
-    fig, ax = plt.subplots(figsize=(min(16, 2 + len(trace) * 0.25), 1 + len(ids) * 0.25))
-    ax.imshow(grid, aspect="auto", interpolation="nearest",
-              cmap=ListedColormap(["white", "tab:blue", "tab:orange", "lightgray"]), vmin=0,
-              vmax=3)
+    ids, rows = timeline_grid(trace, request_ids)
+    code = {" ": 0, "D": 1, "P": 2, ".": 3}
+    grid = np.array([[code[c] for c in row] for row in rows] + [[0] * len(trace)], float)
+    idle = [max_num_seqs - len(rec.requests) for rec in trace]
+    grid[-1] = [4 if n else 0 for n in idle]
+    fig, ax = plt.subplots(figsize=(min(16, 2 + len(trace) * 0.25), 1.2 + len(ids) * 0.25))
+    ax.imshow(grid, aspect="auto", interpolation="nearest", vmin=0, vmax=4,
+              cmap=ListedColormap(["white", "tab:blue", "tab:orange", "gainsboro", "dimgray"]))
+    if len(trace) <= 80:
+        for j, n in enumerate(idle):
+            if n:
+                ax.text(j, len(ids), str(n), ha="center", va="center", color="white", fontsize=7)
     ax.set_yticks(range(len(ids) + 1), labels=ids + ["idle slots"])
-    ax.set_xlabel("step (orange: prefill, blue: decode, gray: a step with free seq slots)")
+    ax.set_xlabel("step (orange prefill, blue decode, light gray waiting; bottom: free seq slots)")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -141,13 +141,9 @@ def main(argv=None) -> int:
             summaries = {"jaxserve": bench.summarize(res, dur, workload, samples)}
             bench.plot_distributions({"jaxserve": res},
                                      os.path.join(args.out_dir, "latency.png"))
-        trace = engine.step_trace
         shown = [f"bench-{i}" for i in range(min(args.timeline_requests, len(workload)))]
-        small = [dataclasses.replace(rec, requests=[e for e in rec.requests if e[0] in shown])
-                 for rec in trace]
-        small = [rec for rec in small if rec.requests][:200]
-        bench.plot_timeline(small, os.path.join(args.out_dir, "timeline.png"),
-                            engine.config.max_num_seqs)
+        bench.plot_timeline(engine.step_trace[:200], os.path.join(args.out_dir, "timeline.png"),
+                            engine.config.max_num_seqs, shown)
         payload |= {"environment": bench.environment(engine), "summaries": summaries}
         print(bench.format_table(summaries))
     bench.write_json(os.path.join(args.out_dir, "bench.json"), payload)

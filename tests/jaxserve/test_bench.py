@@ -128,3 +128,17 @@ def test_closed_loop_keeps_concurrency_in_flight(tiny_llama_dir):
     assert len(res) == 10 and all(r.output_tokens == w.max_tokens for r, w in zip(
         sorted(res, key=lambda r: r.index), wl, strict=True))
     assert max(samples["running"]) <= 2
+
+
+def test_static_timeline_plot_marks_idle_slots(tiny_llama_dir, tmp_path):
+    e = engine(tiny_llama_dir, max_num_seqs=3, scheduling_policy="static")
+    for rid, n in zip("ABCDE", [1, 4, 2, 2, 1], strict=True):
+        e.add_request(rid, prompt_token_ids=[5, 6, 7],
+                      params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    run_all(e)
+    # Static: A, B, C run until B (4 tokens) is done; D and E wait for the next batch.
+    assert bench.timeline_text(e.step_trace).splitlines() == [
+        "     A P", "     B PDDD", "     C PD", "     D ....PD", "     E ....P"]
+    path = tmp_path / "timeline.png"
+    bench.plot_timeline(e.step_trace, str(path), 3)
+    assert path.stat().st_size > 1000
