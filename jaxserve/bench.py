@@ -537,7 +537,7 @@ def plot_timeline(trace, path: str, max_num_seqs: int, request_ids: list[str] | 
     grid = np.array([[code[c] for c in row] for row in rows] + [[0] * len(trace)], float)
     idle = [max_num_seqs - len(rec.requests) for rec in trace]
     grid[-1] = [4 if n else 0 for n in idle]
-    fig, ax = plt.subplots(figsize=(min(16, 2 + len(trace) * 0.25), 1.2 + len(ids) * 0.25))
+    fig, ax = plt.subplots(figsize=(min(16, max(7, 2 + len(trace) * 0.25)), 1.5 + len(ids) * 0.25))
     ax.imshow(grid, aspect="auto", interpolation="nearest", vmin=0, vmax=4,
               cmap=ListedColormap(["white", "tab:blue", "tab:orange", "gainsboro", "dimgray"]))
     if len(trace) <= 80:
