@@ -169,10 +169,27 @@ def _convert_gguf(file: str) -> LoadedModel:
             elif name.endswith("k_proj.weight"):
                 arr = _unpermute_rows(arr, cfg.num_kv_heads)
         tensors[name] = arr
-    directory, base = os.path.split(file)
-    tokenizer = load_tokenizer(directory, gguf_file=base)
+    tokenizer = _gguf_tokenizer(reader, file)
     cfg, params = hf_to_params(cfg, tensors)
     return LoadedModel(cfg, params, tokenizer, file)
+
+
+def _gguf_tokenizer(reader, file: str):
+    """The file's own tokenizer: rebuilt from its metadata for byte-level BPE vocabularies (no
+    torch needed); other kinds go through transformers' GGUF support, which needs torch."""
+    from models.gguf_tokenizer import build_tokenizer
+
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    if not meta:
+        return None
+    try:
+        return build_tokenizer(meta)
+    except ValueError:
+        directory, base = os.path.split(file)
+        try:
+            return load_tokenizer(directory, gguf_file=base)
+        except ImportError:
+            return None  # prompts must then be token ids
 
 
 def _gguf_config(meta: dict, file: str) -> ModelConfig:
