@@ -139,3 +139,24 @@ def test_gguf_roundtrip_restores_hf_layout_and_caches(tmp_path, tiny_llama_dir, 
             np.testing.assert_array_equal(got.params["layers"][key],
                                           from_st.params["layers"][key])
         np.testing.assert_array_equal(got.params["lm_head"], from_st.params["lm_head"])
+
+
+def test_gguf_tokenizer_matches_transformers_gguf_tokenizer(smollm):
+    """Our torch-free rebuild of the GGUF vocabulary tokenizes like transformers' own reader."""
+    pytest.importorskip("torch")
+    from models.loader import default_model_path, load_tokenizer
+
+    path = default_model_path()
+    theirs = load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ours = smollm.tokenizer
+    texts = ["Hello world!", "What is 12 times 7? 2024", "naïve café — 你好，世界! 🙂👍",
+             "<|im_start|>user\nHi<|im_end|>\n", "  spaces   and\ttabs\n\nnewlines",
+             "def f(x):\n    return x**2"]
+    for text in texts:
+        ids = ours(text).input_ids
+        assert ids == theirs(text).input_ids, text
+        assert ours.decode(ids) == text
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.eos_token_id == theirs.eos_token_id == 2
