@@ -1,7 +1,8 @@
 """Attention kernels against the jnp reference: Pallas in interpret mode on the CPU, Triton on GPUs.
 
-Tolerances: float32 inputs, max abs error 2e-5; bfloat16 inputs (both sides read the same bf16
-pages and queries, the reference accumulates in float32 too), max abs error 2e-2.
+Tolerances: float32 inputs, |error| <= 2e-5; bfloat16 inputs (both sides read the same bf16 pages
+and queries and accumulate in float32; outputs are rounded to bf16, whose step is 2**-6 at
+magnitudes 2..4), |error| <= 1e-2 + 1e-2 * |reference|.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from kernels.pallas_attention import ragged_paged_attention
 from kernels.reference import ragged_paged_attention_reference, write_kv
 from kernels.testing import ragged_metadata
 
-TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+TOL = {"float32": (2e-5, 0.0), "bfloat16": (1e-2, 1e-2)}  # (atol, rtol)
+
+
+def assert_close(got, want, t: int, dtype: str):
+    atol, rtol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(got[:t], np.float32), np.asarray(want[:t], np.float32),
+                               atol=atol, rtol=rtol)
 ON_GPU = jax.default_backend() == "gpu"
 LAYER = jnp.int32(1)
 
@@ -46,8 +53,7 @@ def test_pallas_matches_reference(groups, dtype):
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = ragged_paged_attention(q, k, v, LAYER, md, interpret=True)
     assert got.dtype == q.dtype
-    err = float(jnp.max(jnp.abs(got[:t].astype(jnp.float32) - want[:t].astype(jnp.float32))))
-    assert err <= TOL[dtype], f"max abs error {err}"
+    assert_close(got, want, t, dtype)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -62,7 +68,7 @@ def test_pallas_random_ragged_batches(seed):
                                dtype="float32", block_size=block_size)
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = ragged_paged_attention(q, k, v, LAYER, md, interpret=True)
-    np.testing.assert_allclose(np.asarray(got[:t]), np.asarray(want[:t]), atol=TOL["float32"])
+    assert_close(got, want, t, "float32")
 
 
 def test_pallas_writes_nothing_outside_its_rows():
@@ -109,5 +115,4 @@ def test_gpu_kernels_match_reference(backend, dtype):
     q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype)
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = fn(q, k, v, LAYER, md)
-    err = float(jnp.max(jnp.abs(got[:t].astype(jnp.float32) - want[:t].astype(jnp.float32))))
-    assert err <= 2 * TOL[dtype]
+    assert_close(got, want, t, dtype)
