@@ -131,6 +131,8 @@ class Scheduler:
         self._sort(self.running, now)
         if cfg.policy == "priority":
             self._preempt_for_priority(now, budget, out)
+        elif cfg.policy == "static" and not self.running and not self.swapped:
+            self._admit_static_batch(now)
         num_priority_preemptions = len(out.preempted)
 
         decodes, partial = [], []
@@ -190,9 +192,20 @@ class Scheduler:
             budget -= n
         return out
 
+    def _admit_static_batch(self, now: float) -> None:
+        """Static batching: the next max_num_seqs requests form a batch at once, whatever this
+        step's token budget; their prompts are then prefilled (in chunks) like any other."""
+        self._sort(self.waiting, now)
+        batch = self.waiting[:self.config.max_num_seqs]
+        del self.waiting[:len(batch)]
+        for seq in batch:
+            seq.status = SequenceStatus.RUNNING
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+        self.running.extend(batch)
+
     def _admission_order(self, now: float) -> list[Sequence]:
         """Who may enter the running set next, best first."""
-        if self.config.policy == "static" and (self.running or self.swapped):
+        if self.config.policy == "static":
             return list(self.swapped)  # the batch runs until its last member finishes
         if self.config.policy == "priority":
             return sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now))

@@ -187,3 +187,20 @@ def test_scheduler_invariants(w):
             assert seq.output_token_ids == want[:len(seq.output_token_ids)]
         else:  # every request gets exactly its tokens, in order, preempted or not
             assert seq.output_token_ids == want
+
+
+def test_static_batch_is_max_num_seqs_even_when_prompts_exceed_the_budget():
+    s = sim(max_num_seqs=4, max_num_batched_tokens=8, policy="static")
+    for i in range(6):
+        s.add(f"r{i}", 6, 2 + i)
+    seen_batches, steps = [], 0
+    while s.requests:
+        s.step()
+        steps += 1
+        batch = {q.request_id for q in s.scheduler.running}
+        if batch and batch not in seen_batches and not (seen_batches and batch <= seen_batches[-1]):
+            seen_batches.append(batch)
+    assert seen_batches[0] == {"r0", "r1", "r2", "r3"}  # the whole batch, prefilled in chunks
+    assert seen_batches[1] == {"r4", "r5"}
+    assert all(seq.output_token_ids == [fake_token(r, k) for k in range(seq.params.max_tokens)]
+               for r, seq in s.finished.items())
