@@ -160,3 +160,15 @@ def test_gguf_tokenizer_matches_transformers_gguf_tokenizer(smollm):
     assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.eos_token_id == theirs.eos_token_id == 2
+
+
+def test_bfloat16_safetensors_load(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tests.conftest import make_tiny_hf_model
+
+    model = make_tiny_hf_model("mistral", str(tmp_path / "f32"))
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    got = load_model(str(tmp_path / "bf16"))
+    want = model.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
+    np.testing.assert_array_equal(got.params["layers"]["w_up"][1], want)
+    assert got.params["layers"]["w_up"].dtype == np.float32
