@@ -116,3 +116,32 @@ def test_gpu_kernels_match_reference(backend, dtype):
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = fn(q, k, v, LAYER, md)
     assert_close(got, want, t, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_kernel_lowers_for_cuda_without_a_gpu(dtype):
+    """The GPU path: the same kernel lowers through Pallas' Triton backend for a CUDA target."""
+    q, k, v, md, _ = make_case(0, MIXED, kv_heads=2, groups=3, dtype=dtype)
+    f = jax.jit(lambda q, k, v, md: ragged_paged_attention(q, k, v, LAYER, md))
+    text = f.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text and 'name = "ragged_paged_attention"' in text
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype):
+    """The jax-triton kernel compiled by Triton itself down to a cubin for sm_90 (H100/H200)."""
+    triton = pytest.importorskip("triton", reason="the triton package is not installed")
+    from triton.backends.compiler import GPUTarget
+
+    from kernels.triton_attention import _kernel
+
+    ptrs = ["q_ptr", "k_ptr", "v_ptr", "o_ptr"]
+    ints = ["bt_ptr", "layer_ptr", "qsl_ptr", "ctx_ptr", "tile_seq_ptr", "tile_row_ptr"]
+    consts = {"scale": 0.125, "MB": 32, "P": 1024, "N": 32, "KH": 8, "H": 128, "B": 16,
+              "BQ": 16, "G": 4}
+    sig = {p: f"*{dtype}" for p in ptrs} | {p: "*i32" for p in ints} | dict.fromkeys(
+        consts, "constexpr")
+    src = triton.compiler.ASTSource(fn=_kernel, signature=sig, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 2})
+    assert len(compiled.asm["cubin"]) > 1000 and ".target sm_90" in compiled.asm["ptx"]
