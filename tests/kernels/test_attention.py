@@ -128,8 +128,9 @@ def test_pallas_kernel_lowers_for_cuda_without_a_gpu(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype):
+def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, monkeypatch):
     """The jax-triton kernel compiled by Triton itself down to a cubin for sm_90 (H100/H200)."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # today's default, stated explicitly
     triton = pytest.importorskip("triton", reason="the triton package is not installed")
     from triton.backends.compiler import GPUTarget
 
