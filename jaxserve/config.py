@@ -22,8 +22,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes
+    num_kv_blocks: int | None = None  # None: sized from the memory settings below
     kv_cache_memory_bytes: int = 1 << 30
+    # Fraction of the accelerator's memory the engine may use in all (params included); the KV
+    # pool gets what is left of it after the params. Needs device memory statistics (GPUs
+    # report them); elsewhere kv_cache_memory_bytes applies.
+    kv_cache_memory_fraction: float | None = None
     # Buckets; None derives them from the limits above.
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
@@ -47,6 +51,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1), "
+                             f"got {self.kv_cache_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -48,11 +48,8 @@ class ModelRunner:
         self.model = Transformer(mc, self.dtype, attn_fn)
         self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), loaded.params)
         self.block_size = config.block_size
-        if config.num_kv_blocks is not None:
-            self.num_blocks = config.num_kv_blocks
-        else:
-            per_block = KVCache.bytes_per_block(mc, config.block_size, self.dtype)
-            self.num_blocks = max(1, config.kv_cache_memory_bytes // per_block)
+        self.num_blocks = config.num_kv_blocks or max(
+            1, self.kv_pool_bytes() // KVCache.bytes_per_block(mc, config.block_size, self.dtype))
         self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
         self.num_host_blocks = 0
         if config.preemption_mode == "swap":
@@ -74,6 +71,23 @@ class ModelRunner:
         self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.is_warm = False
+
+    def kv_pool_bytes(self) -> int:
+        """Bytes for the KV pool: a fraction of device memory when asked and known, else the
+        configured byte budget."""
+        frac = self.config.kv_cache_memory_fraction
+        stats = jax.devices()[0].memory_stats() if frac is not None else None
+        if not stats or "bytes_limit" not in stats:
+            if frac is not None:
+                logger.warning("device reports no memory statistics; using "
+                               "kv_cache_memory_bytes=%d", self.config.kv_cache_memory_bytes)
+            return self.config.kv_cache_memory_bytes
+        # The params are already on the device, so bytes_in_use counts them.
+        free = int(stats["bytes_limit"] * frac) - stats.get("bytes_in_use", 0)
+        if free <= 0:
+            raise ValueError(f"kv_cache_memory_fraction={frac} leaves no memory for the KV "
+                             f"pool after the params ({stats.get('bytes_in_use', 0)} bytes)")
+        return free
 
     def _step(self, params, kv: KVCache, inp: StepInputs, max_logprobs: int):
         with jax.named_scope("forward"):

@@ -262,3 +262,19 @@ def test_llm_generate_is_all_or_nothing_on_bad_input(tiny_llama_dir):
     assert llm.engine.block_manager.num_free_blocks == 32
     outs = llm.generate([[5, 6], [7, 8]], good, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+
+
+def test_kv_pool_sizing(tiny_llama_dir):
+    from models.llama import KVCache
+
+    e = make_engine(tiny_llama_dir, num_kv_blocks=None, kv_cache_memory_bytes=1 << 20)
+    per_block = KVCache.bytes_per_block(e.model_config, 16, e.runner.dtype)
+    assert e.runner.num_blocks == (1 << 20) // per_block == e.block_manager.num_blocks
+    assert e.runner.kv.k.shape[1] == e.runner.num_blocks
+    # A memory fraction needs device memory statistics; a CPU has none, so the byte budget holds.
+    f = make_engine(tiny_llama_dir, num_kv_blocks=None, kv_cache_memory_bytes=1 << 20,
+                    kv_cache_memory_fraction=0.5)
+    if f.runner.kv_pool_bytes() == 1 << 20:
+        assert f.runner.num_blocks == e.runner.num_blocks
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        EngineConfig(kv_cache_memory_fraction=1.5)
