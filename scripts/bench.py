@@ -4,7 +4,7 @@
     python scripts/bench.py --compare                     # + static batching and HF baselines
     python scripts/bench.py --sweep max_num_seqs=4,8,16 --sweep rate=2,4              # curves
     python scripts/bench.py --server 127.0.0.1:7070 --concurrency 8          # a running server
-    python scripts/bench.py --profile-dir /tmp/trace --profile-steps 20     # XLA profiler trace
+    python scripts/bench.py --profile-dir traces --profile-steps 20        # XLA profiler trace
 
 Prints a table and writes OUT_DIR/bench.json (every figure plus the full configuration) and PNG
 plots (sweep curve, TTFT/TPOT distributions, step timeline).
