@@ -48,13 +48,11 @@ class ModelRunner:
         self.model = Transformer(mc, self.dtype, attn_fn)
         self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), loaded.params)
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks or max(
-            1, self.kv_pool_bytes() // KVCache.bytes_per_block(mc, config.block_size, self.dtype))
+        per_block = KVCache.bytes_per_block(mc, config.block_size, self.dtype)
+        self.num_blocks = config.num_kv_blocks or max(1, self.kv_pool_bytes() // per_block)
         self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
-        self.num_host_blocks = 0
-        if config.preemption_mode == "swap":
-            per_block = KVCache.bytes_per_block(mc, config.block_size, self.dtype)
-            self.num_host_blocks = config.swap_space_bytes // per_block
+        self.num_host_blocks = (config.swap_space_bytes // per_block
+                                if config.preemption_mode == "swap" else 0)
         # The host pool for swap preemption: (L, host blocks, B, K, H), preallocated.
         host_shape = (mc.num_layers, self.num_host_blocks, self.block_size, mc.num_kv_heads,
                       mc.head_dim)

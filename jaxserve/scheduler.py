@@ -100,10 +100,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def _key(self, seq: Sequence, now: float) -> tuple:
         """Sort key: smaller runs first, and is preempted last."""
         if self.config.policy != "priority":
@@ -175,15 +171,15 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 break  # head-of-line: later arrivals do not jump the queue
+            host_ids = None
             if seq.status is SequenceStatus.SWAPPED:
                 self.swapped.remove(seq)
-                num_host = seq.num_swapped_blocks
                 host_ids = self.swap_space.release(seq)
-                bm.allocate(seq, seq.num_computed_tokens + n)
-                out.swap_in.append((seq.block_table[:num_host], host_ids))
             else:
                 self.waiting.remove(seq)
-                bm.allocate(seq, seq.num_computed_tokens + n)
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            if host_ids is not None:  # its first blocks get their K/V back from the host pool
+                out.swap_in.append((seq.block_table[:len(host_ids)], host_ids))
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
