@@ -44,14 +44,12 @@ def time_bucket(runner, bucket, repeats: int = 7) -> float:
 
 def hf_generate(prompts, max_tokens: int, batch: int) -> tuple[float, int]:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from jaxserve.bench import load_hf_model
     from models.loader import default_model_path, load_tokenizer
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                 gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
+    model = load_hf_model(path)
     tok = load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok.padding_side = "left"
     if tok.pad_token_id is None:

@@ -28,16 +28,10 @@ def smollm():
 @pytest.fixture(scope="session")
 def hf_smollm():
     """HF transformers' own load of the same GGUF: the oracle for greedy token ids."""
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
+    pytest.importorskip("torch")
+    from jaxserve.bench import load_hf_model
 
-    from models.loader import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                 gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    return model.eval()
+    return load_hf_model(None)  # the default model's GGUF, float32
 
 
 def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
