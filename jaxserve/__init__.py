@@ -1,10 +1,41 @@
-"""jaxserve: an LLM inference engine on JAX/XLA with continuous batching over a paged KV cache."""
+"""jaxserve: an LLM inference engine on JAX/XLA with continuous batching over a paged KV cache.
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
-from jaxserve.llm import LLM
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+Packages, lowest layer first (each imports only from the ones before it):
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams"]
+    core/      sequences, block manager, swap space, scheduler, sampling params, outputs (no jax)
+    runtime/   the device side: KV pool arrays, step inputs, sampling, the compiled model runner
+    engine/    LLMEngine (schedule -> run -> postprocess), the offline LLM, metrics, profiling
+    serving/   the engine thread, socket protocol and server, clients, OpenAI HTTP, Prometheus
+    bench/     workloads, drivers (in process, socket, HF baselines), reports, plots
+    testing/   helpers shared by tests and scripts (scheduler simulator, ragged metadata, oracle)
+
+The public names below load lazily, so `import jaxserve.core.scheduler` does not import jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "jaxserve.engine.llm",
+    "LLMEngine": "jaxserve.engine.llm_engine",
+    "EngineConfig": "jaxserve.config",
+    "SamplingParams": "jaxserve.core.sampling_params",
+    "RequestOutput": "jaxserve.core.outputs",
+    "CompletionOutput": "jaxserve.core.outputs",
+    "RequestMetrics": "jaxserve.core.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

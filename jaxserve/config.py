@@ -1,8 +1,26 @@
-"""EngineConfig: one validated, frozen set of engine arguments."""
+"""EngineConfig: one validated, frozen set of engine arguments (imports no jax).
+
+Every field carries its one description (`option(default, help)`); the command lines of
+`scripts/serve.py` and `scripts/bench.py` are derived from the fields with `add_options`, so a
+flag, its default and its help line cannot drift from the dataclass.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import enum
+import types
+import typing
+from typing import Any
+
+from jaxserve.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from kernels import AttentionBackend
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with its command-line help."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 def _pow2_range(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
@@ -14,37 +32,65 @@ def _pow2_range(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # HF directory or .gguf file; None = the bundled SmolLM2-135M
-    dtype: str = "auto"  # "float32", "bfloat16", or "auto" (bf16 on GPU/TPU, f32 on CPU)
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from the memory settings below
-    kv_cache_memory_bytes: int = 1 << 30
-    # Fraction of the accelerator's memory the engine may use in all (params included); the KV
-    # pool gets what is left of it after the params. Needs device memory statistics (GPUs
-    # report them); elsewhere kv_cache_memory_bytes applies.
-    kv_cache_memory_fraction: float | None = None
-    # Buckets; None derives them from the limits above.
-    token_buckets: tuple[int, ...] | None = None
-    seq_buckets: tuple[int, ...] | None = None
-    block_buckets: tuple[int, ...] | None = None
-    strict_compile: bool = False  # any compile after warmup() raises
-    attention_backend: str = "auto"
-    max_logprobs: int = 20
-    seed: int = 0
-    enable_step_trace: bool = False
-    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "static" (a baseline)
-    priority_aging_s: float | None = None  # every this many seconds waited = one level higher
-    preemption_mode: str = "recompute"  # "recompute" | "swap" (falls back to recompute when full)
-    swap_space_bytes: int = 256 << 20  # host pool for swap preemption
-    prefill_chunk_alignment: int = 1  # cut prompt chunks to multiples of this (not the last one)
-    max_waiting_requests: int | None = None  # None: unbounded waiting queue
+    model: str | None = option(
+        None, "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", f"weights and KV dtype, one of {', '.join(DTYPES)} "
+                                "(auto: bfloat16 on a GPU/TPU, float32 on a CPU)")
+    max_model_len: int = option(2048, "longest sequence (prompt + output) a request may reach")
+    max_num_seqs: int = option(64, "most sequences in one step (the running set)")
+    max_num_batched_tokens: int = option(512, "token budget of one step (prefill + decode)")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(
+        None, "KV blocks in the device pool (default: sized from the memory settings)")
+    kv_cache_memory_bytes: int = option(1 << 30, "bytes for the KV pool when num_kv_blocks is "
+                                                 "not given and no memory fraction applies")
+    kv_cache_memory_fraction: float | None = option(
+        None, "fraction of accelerator memory for params + KV pool; needs device memory "
+              "statistics (GPUs report them), elsewhere kv_cache_memory_bytes applies")
+    token_buckets: tuple[int, ...] | None = option(
+        None, "padded token counts to compile (default: powers of two up to the budget)")
+    seq_buckets: tuple[int, ...] | None = option(
+        None, "padded sequence counts to compile (default: x4 steps up to max_num_seqs)")
+    block_buckets: tuple[int, ...] | None = option(
+        None, "padded blocks-per-sequence widths to compile (default: x4 steps up to the "
+              "blocks of max_model_len)")
+    strict_compile: bool = option(False, "raise if any program compiles after warmup()")
+    attention_backend: AttentionBackend = option(
+        AttentionBackend.AUTO, "paged attention kernel (auto: pallas on a GPU, reference "
+                               "elsewhere)")
+    max_logprobs: int = option(20, "most top logprobs a request may ask for")
+    seed: int = option(0, "engine seed for requests that bring none")
+    enable_step_trace: bool = option(
+        False, "record every step's requests, prefill/decode tokens and duration")
+    scheduling_policy: SchedulingPolicy = option(
+        SchedulingPolicy.FCFS, "fcfs (arrival order), priority (smaller first, optional "
+                               "aging) or static (a baseline: batches run to completion)")
+    priority_aging_s: float | None = option(
+        None, "with priority: every this many seconds since arrival is worth one level")
+    preemption_mode: PreemptionMode = option(
+        PreemptionMode.RECOMPUTE, "what preemption does: recompute (free the blocks, prefill "
+                                  "again) or swap (copy to the host pool and back)")
+    swap_space_bytes: int = option(256 << 20, "host pool for swap preemption, in bytes")
+    prefill_chunk_alignment: int = option(
+        1, "cut prompt chunks to multiples of this (not the last chunk)")
+    max_waiting_requests: int | None = option(
+        None, "refuse requests when this many wait (default: unbounded)")
 
     def __post_init__(self):
+        for name, kind in (("attention_backend", AttentionBackend),
+                           ("scheduling_policy", SchedulingPolicy),
+                           ("preemption_mode", PreemptionMode)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                raise ValueError(f"{name} must be one of {', '.join(k.value for k in kind)}, "
+                                 f"got {value!r}") from None
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                     "kv_cache_memory_bytes")
         for name in positive:
@@ -56,22 +102,12 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): every running sequence needs a token slot")
-        if self.attention_backend not in ("auto", "reference", "pallas", "triton"):
-            raise ValueError(f"attention_backend must be auto, reference, pallas or triton, "
-                             f"got {self.attention_backend!r}")
-        if self.scheduling_policy not in ("fcfs", "priority", "static"):
-            raise ValueError(f"scheduling_policy must be fcfs, priority or static, "
-                             f"got {self.scheduling_policy!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, "
-                             f"got {self.preemption_mode!r}")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:
             raise ValueError(f"priority_aging_s must be positive, got {self.priority_aging_s}")
         if self.prefill_chunk_alignment < 1:
@@ -85,10 +121,20 @@ class EngineConfig:
             b = getattr(self, name)
             if b is not None and (not b or any(x <= 0 for x in b)):
                 raise ValueError(f"{name} must be a non-empty list of positive ints, got {b!r}")
+            if b is not None:
+                object.__setattr__(self, name, tuple(b))
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, policy=self.scheduling_policy,
+            priority_aging_s=self.priority_aging_s,
+            prefill_chunk_alignment=self.prefill_chunk_alignment,
+            preemption_mode=self.preemption_mode)
 
     def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(token, sequence, blocks-per-sequence) buckets; each ends at its limit."""
@@ -100,3 +146,42 @@ class EngineConfig:
         seqs = tuple(sorted(set(seqs) | {self.max_num_seqs}))
         blocks = tuple(sorted(set(blocks) | {self.max_blocks_per_seq}))
         return tokens, seqs, blocks
+
+
+# ------------------------------------------------------------------------------ command lines
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
+    """One command-line option per field of dataclass `cls`, with its type, default and help."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(
+            hint, types.UnionType) else [hint]
+        base = args[0]
+        kw: dict[str, Any] = {"default": f.default,
+                              "help": f"{f.metadata.get('help', '')} (default: "
+                                      f"{getattr(f.default, 'value', f.default)})"}
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) is tuple:
+            kw |= {"type": typing.get_args(base)[0], "nargs": "+"}
+        elif isinstance(base, type) and issubclass(base, enum.Enum):
+            kw |= {"type": str, "choices": [e.value for e in base]}
+        else:
+            kw["type"] = base
+        group.add_argument(_flag(f.name), **kw)
+
+
+def from_options(cls, args: argparse.Namespace, **overrides):
+    """Build dataclass `cls` from the options `add_options` added (fields not there keep their
+    defaults)."""
+    given = vars(args)
+    kw = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
+    return cls(**(kw | overrides))

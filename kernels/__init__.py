@@ -6,40 +6,50 @@
 | pallas | GPU; CPU in interpret mode (slow: for tests) | Pallas kernel, Triton lowering |
 | triton | GPU with jax-triton | Triton kernel through `jax_triton.triton_call` |
 
-`auto` picks pallas on a GPU and reference elsewhere.
+`auto` picks pallas on a GPU and reference elsewhere. This module imports jax only when a backend
+is selected, so configuration code can name backends without loading jax.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 
-import jax
 
-from kernels.reference import ragged_paged_attention_reference
+class AttentionBackend(enum.StrEnum):
+    AUTO = "auto"
+    REFERENCE = "reference"
+    PALLAS = "pallas"
+    TRITON = "triton"
 
-BACKENDS = ("reference", "pallas", "triton")
 
+def select_attention(name: str | AttentionBackend):
+    """Return (backend, attention fn) for `name`; fail now, not mid-request."""
+    import jax
 
-def select_attention(name: str):
-    """Return (backend name, attention fn) for `name`; fail now, not mid-request."""
+    try:
+        backend = AttentionBackend(name)
+    except ValueError:
+        raise ValueError(f"attention_backend must be one of "
+                         f"{', '.join(b.value for b in AttentionBackend)}; got {name!r}") from None
     platform = jax.default_backend()
-    if name == "auto":
-        name = "pallas" if platform == "gpu" else "reference"
-    if name == "reference":
-        return name, ragged_paged_attention_reference
-    if name == "pallas":
+    if backend is AttentionBackend.AUTO:
+        backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.REFERENCE
+    if backend is AttentionBackend.REFERENCE:
+        from kernels.reference import ragged_paged_attention_reference
+
+        return backend, ragged_paged_attention_reference
+    if backend is AttentionBackend.PALLAS:
         from kernels.pallas_attention import ragged_paged_attention
 
         if platform not in ("gpu", "cpu"):
             raise ValueError(f"attention_backend 'pallas' cannot run on platform {platform!r}; "
                              f"use 'reference'")
         # On a CPU the kernel body runs in Pallas' interpreter: correct, slow, for testing.
-        return name, functools.partial(ragged_paged_attention, interpret=platform == "cpu")
-    if name == "triton":
-        from kernels import triton_attention
+        return backend, functools.partial(ragged_paged_attention, interpret=platform == "cpu")
+    from kernels import triton_attention
 
-        reason = triton_attention.available()
-        if reason:
-            raise ValueError(f"attention_backend 'triton' cannot run here: {reason}")
-        return name, triton_attention.ragged_paged_attention_triton
-    raise ValueError(f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
+    reason = triton_attention.available()
+    if reason:
+        raise ValueError(f"attention_backend 'triton' cannot run here: {reason}")
+    return backend, triton_attention.ragged_paged_attention_triton

@@ -26,7 +26,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.metadata import AttentionMetadata, check_attention_inputs, query_tiles
-from kernels.reference import ragged_paged_attention_reference
 
 # ----------------------------------------------------------------------------------- kernel body
 
@@ -157,8 +156,3 @@ def ragged_paged_attention(
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
                q_pad, k_pages, v_pages)
     return out[:t]
-
-
-# ------------------------------------------------------------------------------------- reference
-
-ragged_paged_attention_ref = ragged_paged_attention_reference

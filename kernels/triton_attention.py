@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from kernels.metadata import AttentionMetadata, check_attention_inputs, query_tiles
-from kernels.reference import ragged_paged_attention_reference
 
 try:  # Triton alone compiles the kernel (tests do, for sm_90, on machines without a GPU)
     import triton
@@ -145,6 +144,3 @@ def ragged_paged_attention_triton(
         scale=float(scale), MB=mb, P=p, N=n, KH=kv_heads, H=h, B=b, BQ=block_q, G=n // kv_heads,
     )
     return out[:t]
-
-
-ragged_paged_attention_triton_ref = ragged_paged_attention_reference

@@ -45,10 +45,6 @@ class ModelConfig:
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
 
-    @property
-    def num_groups(self) -> int:  # G: query heads per kv head
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers `PretrainedConfig` or a config.json dict."""

@@ -10,46 +10,19 @@ layer out and writing it back would copy the pool every step).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kernels.kv_write import write_kv
 from kernels.metadata import AttentionMetadata
-from kernels.reference import ragged_paged_attention_reference, write_kv
+from kernels.reference import ragged_paged_attention_reference
 from models.config import ModelConfig, rope_inv_freq
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """The device block pool: every layer's K and V pages."""
-
-    k: jax.Array  # (L, P, B, K, H)
-    v: jax.Array  # (L, P, B, K, H)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[2]
-
-    @staticmethod
-    def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-    @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
-        itemsize = jnp.dtype(dtype).itemsize
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 class RMSNorm(nn.Module):
@@ -121,10 +94,11 @@ class Transformer(nn.Module):
     def __call__(
         self,
         input_ids: jax.Array,  # (T,) int32
-        kv: KVCache,
+        k_pages: jax.Array,  # (L, P, B, K, H)
+        v_pages: jax.Array,  # (L, P, B, K, H)
         md: AttentionMetadata,
         logits_indices: jax.Array,  # (S,) int32: the row whose hidden state makes each seq's logits
-    ) -> tuple[KVCache, jax.Array]:  # logits (S, V) float32
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # updated pages, logits (S, V) float32
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                            dt)
@@ -141,7 +115,7 @@ class Transformer(nn.Module):
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
         )(cfg, dt, self.attn_fn, name="layers")
-        (x, k_pages, v_pages, _), _ = layers((x, kv.k, kv.v, jnp.int32(0)), cos, sin, md)
+        (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin, md)
 
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x[logits_indices])  # (S, D)
         if cfg.tie_word_embeddings:
@@ -150,4 +124,4 @@ class Transformer(nn.Module):
             lm_head = self.param("lm_head", nn.initializers.normal(0.02),
                                  (cfg.hidden_size, cfg.vocab_size), dt)
             logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
-        return KVCache(k=k_pages, v=v_pages), logits
+        return k_pages, v_pages, logits

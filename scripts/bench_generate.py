@@ -30,7 +30,7 @@ def make_prompts(n: int) -> list[str]:
 
 
 def time_bucket(runner, bucket, repeats: int = 7) -> float:
-    from jaxserve.batch import dummy_step_inputs
+    from jaxserve.runtime.step_inputs import dummy_step_inputs
 
     inp = dummy_step_inputs(*bucket, runner.block_size, runner.num_blocks)
     runner.execute(inp)
@@ -45,7 +45,7 @@ def time_bucket(runner, bucket, repeats: int = 7) -> float:
 def hf_generate(prompts, max_tokens: int, batch: int) -> tuple[float, int]:
     import torch
 
-    from jaxserve.bench import load_hf_model
+    from jaxserve.testing.oracle import load_hf_model
     from models.loader import default_model_path, load_tokenizer
 
     path = default_model_path()

@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxserve.testing.ragged import ragged_metadata  # noqa: E402
 from kernels import select_attention  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.reference import ragged_paged_attention_reference  # noqa: E402
-from kernels.testing import ragged_metadata  # noqa: E402
 
 PEAK_HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e11}
 
@@ -132,10 +132,10 @@ def time_kernels(backends, dry_run: bool) -> list[dict]:
 
 def time_engine(dry_run: bool) -> list[dict]:
     print("== engine decode step (default model)")
-    from jaxserve.batch import StepInputs
     from jaxserve.config import EngineConfig
-    from jaxserve.runner import ModelRunner
-    from jaxserve.sampling import SamplingInputs
+    from jaxserve.runtime.runner import ModelRunner
+    from jaxserve.runtime.sampling import SamplingInputs
+    from jaxserve.runtime.step_inputs import StepInputs
     from models.loader import load_model
 
     loaded = load_model()
@@ -165,8 +165,8 @@ def time_engine(dry_run: bool) -> list[dict]:
             logits_indices=np.arange(b, dtype=np.int32),
             sampling=SamplingInputs(np.zeros(b, np.float32), np.ones(b, np.float32),
                                     np.zeros(b, np.int32), np.zeros(b, np.uint32),
-                                    np.zeros(b, np.int32)))
-        dt = timed(lambda inp=inp, runner=runner: runner.execute(inp)["tokens"],
+                                    np.zeros(b, np.int32), np.ones(b, bool)))
+        dt = timed(lambda inp=inp, runner=runner: runner.execute(inp).token_ids,
                    3 if dry_run else 20)
         rows.append({"batch": b, "context": ctx, "dtype": dtype, "backend":
                      runner.attention_backend, "step_median_s": dt, "tok_per_s": b / dt})

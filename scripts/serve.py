@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxserve.serve_cli import main  # noqa: E402
+from jaxserve.serving.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

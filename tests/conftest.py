@@ -29,41 +29,17 @@ def smollm():
 def hf_smollm():
     """HF transformers' own load of the same GGUF: the oracle for greedy token ids."""
     pytest.importorskip("torch")
-    from jaxserve.bench import load_hf_model
+    from jaxserve.testing.oracle import load_hf_model
 
     return load_hf_model(None)  # the default model's GGUF, float32
-
-
-def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
-    """Write a tiny random-weight model with `save_pretrained` and return the torch model."""
-    import torch
-    import transformers as tf
-
-    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  initializer_range=0.1, eos_token_id=2, bos_token_id=1)
-    common |= overrides
-    if arch == "llama":
-        cfg = tf.LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 64}, **common)
-        cls = tf.LlamaForCausalLM
-    elif arch == "qwen2":
-        cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
-    elif arch == "mistral":
-        cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
-    else:
-        raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """{arch: (directory, torch model)} for the tiny random Llama, Qwen2 and Mistral models."""
     pytest.importorskip("torch")
+    from jaxserve.testing.oracle import make_tiny_hf_model
+
     out = {}
     for i, arch in enumerate(TINY_ARCHS):
         d = str(tmp_path_factory.mktemp(f"tiny-{arch}"))

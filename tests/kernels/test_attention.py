@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.testing.ragged import ragged_metadata
+from kernels.kv_write import write_kv
 from kernels.pallas_attention import ragged_paged_attention
-from kernels.reference import ragged_paged_attention_reference, write_kv
-from kernels.testing import ragged_metadata
+from kernels.reference import ragged_paged_attention_reference
 
 TOL = {"float32": (2e-5, 0.0), "bfloat16": (1e-2, 1e-2)}  # (atol, rtol)
 

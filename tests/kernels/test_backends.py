@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from kernels import select_attention
-from tests.jaxserve.test_engine import run_all
+from tests.helpers import run_all
 
 
 def test_auto_is_reference_on_cpu():

@@ -164,7 +164,7 @@ def test_gguf_tokenizer_matches_transformers_gguf_tokenizer(smollm):
 
 def test_bfloat16_safetensors_load(tmp_path):
     torch = pytest.importorskip("torch")
-    from tests.conftest import make_tiny_hf_model
+    from jaxserve.testing.oracle import make_tiny_hf_model
 
     model = make_tiny_hf_model("mistral", str(tmp_path / "f32"))
     model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from jaxserve.client import Client
+from jaxserve.serving.client import Client
 
 
 def test_help_lists_engine_and_server_options():

@@ -1,0 +1,302 @@
+"""Scheduler: iteration-level (continuous) batching over the paged KV pool. Host only, no jax.
+
+Every step it decides which sequences run and how many of their tokens, within `max_num_seqs`,
+`max_num_batched_tokens` and the free KV blocks:
+
+1. running sequences that are decoding (one token each), in policy order;
+2. running sequences part-way through their prompt (chunked prefill);
+3. waiting sequences, admitted in policy order while sequences, tokens and blocks last.
+
+A prompt larger than what is left of the token budget is cut into a chunk that shares the step
+with the decodes; the rest follows in later steps. When a running sequence cannot get a block for
+its next token, the lowest-priority, latest-arriving running sequence is preempted (its blocks are
+freed, or copied to the host pool in swap mode) and resumes later exactly where it was.
+
+Policies: "fcfs" (arrival order), "priority" (smaller number first, ties by arrival, optional
+aging) and "static" (a baseline: admit a batch, run it until every member finishes).
+
+Aging rule: a request's effective priority is `priority - floor(age_s / priority_aging_s)`, with
+age counted from arrival: every `priority_aging_s` seconds in the system are worth one priority
+level. A request that waits long enough outranks any newly arrived one, which bounds starvation,
+and preemption needs a strictly better effective priority, so requests of equal standing never
+evict each other back and forth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from collections.abc import Callable
+from operator import attrgetter
+
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.core.swap_space import SwapSpace
+
+_BY_ARRIVAL = attrgetter("arrival_index")
+
+
+class SchedulingPolicy(enum.StrEnum):
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # smaller number first, ties by arrival, optional aging
+    STATIC = "static"  # a baseline: a batch runs until its last member finishes
+
+
+class PreemptionMode(enum.StrEnum):
+    RECOMPUTE = "recompute"  # free the blocks; prefill prompt + generated tokens again later
+    SWAP = "swap"  # copy the blocks to the host pool and back (recompute when it is full)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    priority_aging_s: float | None = None
+    prefill_chunk_alignment: int = 1
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+
+    def __post_init__(self):  # plain strings are accepted and normalized
+        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # tokens already in the cache before this step
+    num_tokens: int  # query tokens this step
+    samples: bool = False  # the step reaches the sequence's end, so a token is sampled
+    is_prefill: bool = True  # prompt (or recompute) tokens rather than one decode token
+
+    @staticmethod
+    def of(seq: Sequence, num_tokens: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, start, num_tokens, start + num_tokens == seq.num_tokens,
+                            not seq.is_decoding)
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # Copies the engine makes before the forward: (device block ids, host block ids). The device
+    # blocks of a swap-out may already be reassigned in this same schedule; that is safe because
+    # the copy runs before the forward writes anything.
+    swap_out: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 swap_space: SwapSpace | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.config = config
+        self.block_manager = block_manager
+        self.swap_space = swap_space
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------------------- queue state
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def _key(self, seq: Sequence, now: float) -> tuple:
+        """Sort key: smaller runs first, and is preempted last."""
+        if self.config.policy is not SchedulingPolicy.PRIORITY:
+            return (seq.arrival_index,)
+        prio = seq.priority
+        if self.config.priority_aging_s:
+            # Age counts from arrival for running requests too, so an aged request that got in
+            # is not thrown out again by the next arrival it outranked.
+            prio -= math.floor((now - seq.arrival_time) / self.config.priority_aging_s)
+        return (prio, seq.arrival_index)
+
+    def _sort(self, seqs: list[Sequence], now: float) -> None:
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            seqs.sort(key=lambda s: self._key(s, now))
+        else:
+            seqs.sort(key=_BY_ARRIVAL)  # C-level key: this runs every step over every request
+
+    # -------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        now = self.clock()
+        out = SchedulerOutput(scheduled=[])
+        budget = cfg.max_num_batched_tokens
+        self._sort(self.running, now)
+        if cfg.policy is SchedulingPolicy.PRIORITY:
+            self._preempt_for_priority(now, budget, out)
+        elif cfg.policy is SchedulingPolicy.STATIC and not self.running and not self.swapped:
+            self._admit_static_batch(now)
+        num_priority_preemptions = len(out.preempted)
+
+        decodes, partial = [], []
+        for s in self.running:
+            (decodes if s.is_decoding else partial).append(s)
+        scheduled_ids: set[str] = set()
+        block_size = bm.block_size
+        running = SequenceStatus.RUNNING
+        for seq in decodes:  # the hot path: one token each, a new block only at a boundary
+            if budget <= 0:
+                break
+            if seq.status is not running:
+                continue  # preempted earlier in this loop
+            start = seq.num_computed_tokens
+            if start >= len(seq.block_table) * block_size:
+                if not self._make_room(seq, start + 1, scheduled_ids, out):
+                    continue
+                bm.allocate(seq, start + 1)
+            out.scheduled.append(ScheduledSeq(seq, start, 1, True, False))
+            scheduled_ids.add(seq.request_id)
+            budget -= 1
+        for seq in partial:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
+                continue  # seq itself was preempted
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq.of(seq, n))
+            scheduled_ids.add(seq.request_id)
+            budget -= n
+
+        if len(out.preempted) > num_priority_preemptions:
+            return out  # memory is short for the running ones: admit nothing new this step
+        for seq in self._admission_order(now):
+            if len(self.running) >= cfg.max_num_seqs or budget <= 0:
+                break
+            n = self._chunk(seq, budget)
+            if n == 0 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                break  # head-of-line: later arrivals do not jump the queue
+            host_ids = None
+            if seq.status is SequenceStatus.SWAPPED:
+                self.swapped.remove(seq)
+                host_ids = self.swap_space.release(seq)
+            else:
+                self.waiting.remove(seq)
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            if host_ids is not None:  # its first blocks get their K/V back from the host pool
+                out.swap_in.append((seq.block_table[:len(host_ids)], host_ids))
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq.of(seq, n))
+            budget -= n
+        return out
+
+    def _admit_static_batch(self, now: float) -> None:
+        """Static batching: the next max_num_seqs requests form a batch at once, whatever this
+        step's token budget; their prompts are then prefilled (in chunks) like any other."""
+        self._sort(self.waiting, now)
+        batch = self.waiting[:self.config.max_num_seqs]
+        del self.waiting[:len(batch)]
+        for seq in batch:
+            seq.status = SequenceStatus.RUNNING
+            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        self.running.extend(batch)
+
+    def _admission_order(self, now: float) -> list[Sequence]:
+        """Who may enter the running set next, best first."""
+        if self.config.policy is SchedulingPolicy.STATIC:
+            return list(self.swapped)  # the batch runs until its last member finishes
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            return sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now))
+        # FCFS: swapped sequences were running before anything now waiting was admitted.
+        self._sort(self.waiting, now)
+        return self.swapped + self.waiting
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        align = self.config.prefill_chunk_alignment
+        if n < seq.num_uncomputed_tokens and align > 1:
+            n = n // align * align  # a prompt's last chunk keeps its odd size
+        return n
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
+                   out: SchedulerOutput) -> bool:
+        """Preempt until `seq` can hold `num_tokens`; False if `seq` itself had to go."""
+        bm = self.block_manager
+        now = self.clock()
+        while not bm.can_allocate(seq, num_tokens):
+            candidates = [s for s in self.running if s.request_id not in scheduled_ids]
+            victim = max(candidates, key=lambda s: self._key(s, now))
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt_for_priority(self, now: float, budget: int, out: SchedulerOutput) -> None:
+        """Preempt running requests that a waiting one outranks, when seqs or blocks are full."""
+        bm = self.block_manager
+        free, num_running = bm.num_free_blocks, len(self.running)
+        for cand in sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now)):
+            n = min(cand.num_uncomputed_tokens, budget)
+            need = bm.num_new_blocks(cand, cand.num_computed_tokens + n)
+            while (num_running >= self.config.max_num_seqs or need > free) and self.running:
+                worst = self.running[-1]  # running is sorted: the worst is last
+                if self._key(worst, now)[0] <= self._key(cand, now)[0]:
+                    return  # nobody running is outranked by the best candidate left
+                free += len(worst.block_table)
+                num_running -= 1
+                self._preempt(worst, out)
+            if num_running >= self.config.max_num_seqs or need > free:
+                return
+            num_running += 1
+            free -= need
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        swap = self.swap_space
+        if (self.config.preemption_mode is PreemptionMode.SWAP and swap is not None
+                and seq.num_computed_tokens > 0 and swap.can_hold(len(seq.block_table))):
+            out.swap_out.append((list(seq.block_table), swap.reserve(seq)))
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0  # recompute: prompt + generated tokens are prefilled again
+        seq.status = SequenceStatus.WAITING
+        self.waiting.insert(0, seq)
+
+    # ---------------------------------------------------------------------------- completion
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove `seq` from whichever queue holds it and return its blocks at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+        if seq.status is SequenceStatus.SWAPPED and self.swap_space is not None:
+            self.swap_space.release(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.metrics.finish_reason = reason

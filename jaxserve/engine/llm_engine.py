@@ -1,0 +1,257 @@
+"""LLMEngine: requests in, one continuous-batching step at a time, outputs back.
+
+`step()` is schedule -> (swap) -> run the compiled forward -> postprocess (engine/postprocess.py:
+append the sampled tokens, detokenize, apply the stop rules, return finished requests' KV blocks
+to the pool at once) -> one RequestOutput per request that produced something.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.sequence import Sequence
+from jaxserve.core.swap_space import SwapSpace
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
+from jaxserve.runtime.runner import ModelRunner
+from jaxserve.runtime.step_inputs import build_step_inputs
+from models.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class StepRecord:
+    """One step of the optional trace: who ran, with how many prefill and decode tokens."""
+
+    index: int
+    requests: list[tuple[str, int, int]]  # (request id, prefill tokens, decode tokens)
+    duration_s: float
+    bucket: tuple[int, int, int] | None
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r for r, _, _ in self.requests]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(p for _, p, _ in self.requests)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(d for _, _, d in self.requests)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting_requests already; try again later."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 **kwargs):
+        self.config = config = config or EngineConfig(**kwargs)
+        self.loaded = loaded or load_model(config.model)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(config, self.loaded)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            config.scheduler_config(), self.block_manager,
+            SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.postprocessor = Postprocessor(self.scheduler, config.max_model_len, frozenset(eos))
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self._prompts: dict[str, str | None] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._arrivals = 0
+        self.metrics = EngineMetrics()
+        self.step_trace: list[StepRecord] | None = [] if config.enable_step_trace else None
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    params: SamplingParams | None = None, *,
+                    prompt_token_ids: list[int] | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. A bad field raises ValueError naming it; nothing else is touched.
+
+        A full waiting queue raises QueueFullError."""
+        try:
+            self._add_request(request_id, prompt, params, prompt_token_ids, priority,
+                              arrival_time)
+        except (ValueError, QueueFullError):
+            self.metrics.record_rejection()
+            raise
+
+    def _add_request(self, request_id, prompt, params, prompt_token_ids, priority, arrival_time):
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.config.max_logprobs)
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        self._check_fits(len(ids), params)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"waiting queue is full (max_waiting_requests={limit})")
+        seed = params.seed if params.seed is not None else (
+            (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
+        seq = Sequence(request_id, ids, params, self._arrivals, seed, priority, arrival_time)
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids)
+        self._arrivals += 1
+        self.requests[request_id] = seq
+        self._prompts[request_id] = prompt
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = list(prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary "
+                                     f"[0, {vocab})")
+            ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prompt must not be empty (no tokens)")
+        return ids
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        if prompt_len > max_len:
+            raise ValueError(f"prompt has {prompt_len} tokens, longer than max_model_len "
+                             f"({max_len})")
+        if prompt_len + params.max_tokens > max_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({max_len})")
+        need = self.block_manager.blocks_needed(prompt_len + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {need} KV blocks, more than the whole "
+                             f"pool (num_kv_blocks={self.block_manager.num_blocks})")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.postprocessor.eos_token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort in any state; its blocks return at once. The next step() reports it."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.metrics.finished_time = time.perf_counter()
+        self.scheduler.finish(seq, "abort")
+        self.metrics.record_finished(seq)
+        self._pending_outputs.append(self._output(SeqUpdate(seq, [], "", True)))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def warmup(self) -> float:
+        return self.runner.warmup()
+
+    # ---------------------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
+        # "forward" and "sample" are also named scopes inside the compiled step.
+        t0 = time.perf_counter()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        with jax.profiler.TraceAnnotation("jaxserve.schedule"):
+            sched = self.scheduler.schedule()
+            for device_ids, host_ids in sched.swap_out:
+                self.runner.swap_out(device_ids, host_ids)
+            for device_ids, host_ids in sched.swap_in:
+                self.runner.swap_in(device_ids, host_ids)
+        if sched.is_empty:
+            return outputs
+        with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
+            inp = build_step_inputs(sched.scheduled, self.runner.buckets, self.config.block_size,
+                                    self.runner.num_blocks)
+            want_lp = any(s.seq.params.logprobs is not None and s.samples
+                          for s in sched.scheduled)
+        with jax.profiler.TraceAnnotation("jaxserve.forward"):
+            result = self.runner.execute(inp, want_lp)
+        now = time.perf_counter()
+        with jax.profiler.TraceAnnotation("jaxserve.postprocess"):
+            updates = self.postprocessor.apply(sched.scheduled, result.rows(len(sched.scheduled)),
+                                               now, result.logprob_entry if want_lp else None)
+            for u in updates:
+                if u.finished:
+                    self.metrics.record_finished(u.seq)
+                    self.requests.pop(u.seq.request_id, None)
+                outputs.append(self._output(u))
+        prefill = sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
+        self.metrics.record_step(now - t0, prefill, sum(len(u.new_token_ids) for u in updates),
+                                 len(self.scheduler.running), len(self.scheduler.waiting),
+                                 self.block_manager.num_used_blocks)
+        if self.step_trace is not None:
+            self.step_trace.append(StepRecord(
+                self.metrics.num_steps - 1,
+                [(s.seq.request_id, s.num_tokens if s.is_prefill else 0,
+                  0 if s.is_prefill else s.num_tokens) for s in sched.scheduled],
+                now - t0, inp.bucket))
+        return outputs
+
+    def metrics_snapshot(self) -> dict:
+        """Engine-wide figures as a plain dict (what /metrics and the bench harness read)."""
+        m, bm = self.metrics, self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "host_blocks_used": (self.scheduler.swap_space.num_used
+                                 if self.scheduler.swap_space else 0),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_rejections": m.num_rejections,
+            "num_requests_finished": m.num_requests_finished,
+            "prompt_tokens": m.prompt_tokens,
+            "generation_tokens": m.generation_tokens,
+            "num_steps": m.num_steps,
+            "num_compiles": self.runner.num_compiles,
+        }
+
+    def _output(self, u: SeqUpdate) -> RequestOutput:
+        seq = u.seq
+        comp = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
+                                seq.stop_reason, seq.logprobs, u.new_text, u.new_token_ids)
+        prompt = (self._prompts.pop(seq.request_id, None) if seq.is_finished
+                  else self._prompts.get(seq.request_id))
+        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [comp],
+                             seq.is_finished, seq.metrics)

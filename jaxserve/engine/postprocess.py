@@ -1,0 +1,99 @@
+"""Postprocess: what the host does with one step's sampled tokens (no jax).
+
+For every scheduled sequence: advance its computed tokens, append the tokens it sampled (up to
+K per sequence: one today, more once speculative decoding accepts several), detokenize them
+incrementally, record logprobs and timings, and apply the stop rules: EOS (unless ignore_eos),
+a stop token id, a stop string (the text is trimmed before it), max_tokens, max_model_len. A
+sequence that stops is finished in the scheduler at once, so its blocks return before the next
+schedule. The engine, the scheduler simulator and the host-overhead benchmark all step through
+this one loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+from jaxserve.core.scheduler import ScheduledSeq, Scheduler
+from jaxserve.core.sequence import Sequence
+
+# (row, index among the row's new tokens, how many top entries) -> {"logprob", "top"}
+LogprobFn = Callable[[int, int, int], dict]
+
+
+@dataclasses.dataclass(slots=True)
+class SeqUpdate:
+    """What one step added to a sequence that produced tokens."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+
+
+class Postprocessor:
+    def __init__(self, scheduler: Scheduler, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def apply(self, scheduled: list[ScheduledSeq], tokens: Seq[Seq[int]], now: float,
+              logprobs: LogprobFn | None = None) -> list[SeqUpdate]:
+        """`tokens[i]`: the tokens row i sampled this step (empty for a prefill chunk that does
+        not reach its prompt's end)."""
+        updates = []
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_tokens
+            row = tokens[i]
+            if not row:
+                continue
+            update = SeqUpdate(seq, [], "", False)
+            for j, token in enumerate(row):
+                entry = (logprobs(i, j, seq.params.logprobs)
+                         if logprobs is not None and seq.logprobs is not None else None)
+                self._append(seq, int(token), now, entry, update)
+                if update.finished:
+                    break  # tokens after a stop are dropped
+            updates.append(update)
+        return updates
+
+    def _append(self, seq: Sequence, token: int, now: float, logprob: dict | None,
+                update: SeqUpdate) -> None:
+        seq.append_token(token)
+        seq.metrics.token_times.append(now)
+        update.new_token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        reason, stop_reason = None, None
+        is_eos = token in self.eos_token_ids and not p.ignore_eos
+        new_text = "" if seq.detok is None or is_eos else seq.detok.add(token)
+        if new_text:
+            seq.text += new_text
+        if is_eos:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif new_text and p.stop:
+            # Only the tail can hold a new match: the new text plus a stop string's length.
+            window = len(new_text) + max(len(s) for s in p.stop)
+            start = max(0, len(seq.text) - window)
+            hits = [(seq.text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                idx, stop_reason = min(hits)
+                new_text = new_text[:max(0, len(new_text) - (len(seq.text) - idx))]
+                seq.text = seq.text[:idx]
+                reason = "stop"
+        update.new_text += new_text
+        if reason is None and (seq.num_output_tokens >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            seq.metrics.finished_time = now
+            self.scheduler.finish(seq, reason)
+            update.finished = True

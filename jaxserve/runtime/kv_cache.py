@@ -1,0 +1,103 @@
+"""The KV pool's device memory: the paged K/V arrays, their sizing, and the host pool that swap
+preemption copies blocks to and from. (Which block belongs to whom is the core's BlockManager
+and SwapSpace; this module holds only arrays.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The device block pool: every layer's K and V pages."""
+
+    k: jax.Array  # (L, P, B, K, H)
+    v: jax.Array  # (L, P, B, K, H)
+
+    @staticmethod
+    def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def pool_bytes(memory_bytes: int, memory_fraction: float | None) -> int:
+    """Bytes for the KV pool: `memory_fraction` of device memory (less what is in use, i.e. the
+    params) when asked and the device reports memory statistics, else `memory_bytes`."""
+    stats = jax.devices()[0].memory_stats() if memory_fraction is not None else None
+    if not stats or "bytes_limit" not in stats:
+        if memory_fraction is not None:
+            logger.warning("device reports no memory statistics; using "
+                           "kv_cache_memory_bytes=%d", memory_bytes)
+        return memory_bytes
+    free = int(stats["bytes_limit"] * memory_fraction) - stats.get("bytes_in_use", 0)
+    if free <= 0:
+        raise ValueError(f"kv_cache_memory_fraction={memory_fraction} leaves no memory for the "
+                         f"KV pool after the params ({stats.get('bytes_in_use', 0)} bytes)")
+    return free
+
+
+class HostSwapPool:
+    """A preallocated host copy target, (L, host blocks, B, K, H), and the jitted block copies.
+
+    Block id lists are padded to a power of two so the gather/scatter programs are few and all
+    compiled at warmup; padding ids point past the pool (gathers clamp, scatters drop them)."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, num_device_blocks: int, block_size: int,
+                 dtype):
+        self.num_device_blocks = num_device_blocks
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = np.zeros(shape, dtype)
+        self.v = np.zeros(shape, dtype)
+        self._gather = jax.jit(lambda kv, ids: (kv.k[:, ids], kv.v[:, ids]))
+        self._scatter = jax.jit(
+            lambda kv, ids, k, v: KVCache(kv.k.at[:, ids].set(k, mode="drop"),
+                                          kv.v.at[:, ids].set(v, mode="drop")),
+            donate_argnums=(0,))
+
+    def _padded(self, ids: list[int]) -> np.ndarray:
+        n = 1
+        while n < len(ids):
+            n *= 2
+        out = np.full(n, self.num_device_blocks, np.int32)
+        out[:len(ids)] = ids
+        return out
+
+    def warmup(self, kv: KVCache) -> KVCache:
+        """Compile the copies for every power-of-two block count up to the device pool."""
+        n = 1
+        while True:
+            ids = np.full(n, self.num_device_blocks, np.int32)
+            kv = self._scatter(kv, ids, *self._gather(kv, ids))
+            if n >= self.num_device_blocks:
+                return kv
+            n *= 2
+
+    def swap_out(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> None:
+        """Copy device blocks to the host pool (before the step that may reuse them)."""
+        k, v = self._gather(kv, self._padded(device_ids))
+        n = len(device_ids)
+        self.k[:, host_ids] = np.asarray(k)[:, :n]
+        self.v[:, host_ids] = np.asarray(v)[:, :n]
+
+    def swap_in(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> KVCache:
+        ids = self._padded(device_ids)
+        shape = (self.k.shape[0], len(ids), *self.k.shape[2:])
+        k, v = np.zeros(shape, self.k.dtype), np.zeros(shape, self.k.dtype)
+        k[:, :len(host_ids)] = self.k[:, host_ids]
+        v[:, :len(host_ids)] = self.v[:, host_ids]
+        return self._scatter(kv, ids, k, v)

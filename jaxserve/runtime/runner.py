@@ -1,0 +1,147 @@
+"""ModelRunner: owns the params and the KV pool on the device and runs compiled steps.
+
+`step(params, kv, inputs) -> (kv, sampler_output)` is jitted with the KV pool donated, so XLA
+updates the pages in place. One executable exists per (tokens, sequences, blocks-per-sequence)
+bucket; `warmup()` compiles them all ahead of time, and `num_compiles` counts every compile so a
+test can prove nothing compiles after warmup (`strict_compile` turns that into an error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler import PreemptionMode
+from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
+from jaxserve.runtime.sampling import SamplerOutput, sample
+from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs
+from kernels import select_attention
+from models.llama import Transformer
+from models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+class RecompileError(RuntimeError):
+    """A step needed a program that warmup() did not compile (strict_compile=True)."""
+
+
+def resolve_dtype(name: str):
+    if name == "auto":
+        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return jnp.dtype(name)
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    """One step's sampled tokens on the host: up to K per sequence row (K = 1 today)."""
+
+    token_ids: np.ndarray  # (S, K) int32
+    num_tokens: np.ndarray  # (S,) int32: real tokens of each row (0: nothing sampled)
+    logprobs: np.ndarray | None = None  # (S, K) float32, when asked
+    top_ids: np.ndarray | None = None  # (S, K, max_logprobs) int32
+    top_logprobs: np.ndarray | None = None  # (S, K, max_logprobs) float32
+
+    def rows(self, num_seqs: int) -> list[list[int]]:
+        """The tokens of the first `num_seqs` rows, as lists."""
+        ids, counts = self.token_ids[:num_seqs].tolist(), self.num_tokens[:num_seqs].tolist()
+        return [row[:n] for row, n in zip(ids, counts, strict=True)]
+
+    def logprob_entry(self, row: int, j: int, k: int) -> dict:
+        """{"logprob": of token j of `row`, "top": {token id: logprob} of the k best}."""
+        return {"logprob": float(self.logprobs[row, j]),
+                "top": {int(t): float(lp) for t, lp in zip(self.top_ids[row, j, :k],
+                                                           self.top_logprobs[row, j, :k],
+                                                           strict=True)}}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        self.config = config
+        self.model_config = mc = loaded.config
+        self.dtype = resolve_dtype(config.dtype)
+        self.attention_backend, attn_fn = select_attention(config.attention_backend)
+        self.model = Transformer(mc, self.dtype, attn_fn)
+        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), loaded.params)
+        self.block_size = config.block_size
+        per_block = bytes_per_block(mc, config.block_size, self.dtype)
+        self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
+            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction) // per_block)
+        self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
+        self.num_host_blocks = (config.swap_space_bytes // per_block
+                                if config.preemption_mode is PreemptionMode.SWAP else 0)
+        self.host_pool = (HostSwapPool(mc, self.num_host_blocks, self.num_blocks,
+                                       self.block_size, self.dtype)
+                          if self.num_host_blocks else None)
+        self.buckets = config.buckets()
+        self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
+                               donate_argnums=(1,))
+        self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self.num_compiles = 0
+        self.is_warm = False
+
+    def _step(self, params, kv: KVCache, inp: StepInputs, max_logprobs: int):
+        with jax.named_scope("forward"):
+            k, v, logits = self.model.apply({"params": params}, inp.input_ids, kv.k, kv.v,
+                                            inp.attn, inp.logits_indices)
+            kv = KVCache(k, v)
+        with jax.named_scope("sample"):
+            return kv, sample(logits, inp.sampling, max_logprobs)
+
+    # -------------------------------------------------------------------------------- compile
+
+    def all_buckets(self) -> list[tuple[int, int, int]]:
+        tok, seq, blk = self.buckets
+        return [(t, s, b) for t, s, b in itertools.product(tok, seq, blk) if s <= t]
+
+    def _compile(self, bucket: tuple[int, int, int]) -> jax.stages.Compiled:
+        if self.is_warm and self.config.strict_compile:
+            raise RecompileError(f"bucket {bucket} was not compiled at warmup")
+        dummy = dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
+        exe = self._jitted.lower(self.params, self.kv, dummy).compile()
+        self.num_compiles += 1
+        self._executables[bucket] = exe
+        return exe
+
+    def warmup(self) -> float:
+        """Compile every bucket; returns seconds spent."""
+        t0 = time.perf_counter()
+        for bucket in self.all_buckets():
+            if bucket not in self._executables:
+                self._compile(bucket)
+        if self.host_pool is not None:
+            self.kv = self.host_pool.warmup(self.kv)
+        self.is_warm = True
+        dt = time.perf_counter() - t0
+        logger.info("warmup: %d programs in %.1fs", len(self._executables), dt)
+        return dt
+
+    # ----------------------------------------------------------------------------------- swap
+
+    def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
+        self.host_pool.swap_out(self.kv, device_ids, host_ids)
+
+    def swap_in(self, device_ids: list[int], host_ids: list[int]) -> None:
+        self.kv = self.host_pool.swap_in(self.kv, device_ids, host_ids)
+
+    # -------------------------------------------------------------------------------- execute
+
+    def execute(self, inp: StepInputs, want_logprobs: bool = False) -> StepOutput:
+        exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
+        self.kv, out = exe(self.params, self.kv, inp)
+        out: SamplerOutput
+        # Reading the tokens back is the one host sync of a step.
+        result = StepOutput(np.asarray(out.tokens), np.asarray(out.num_tokens))
+        if want_logprobs:
+            result.logprobs = np.asarray(out.logprobs)
+            result.top_ids = np.asarray(out.top_ids)
+            result.top_logprobs = np.asarray(out.top_logprobs)
+        return result

@@ -1,0 +1,124 @@
+"""StepInputs: one step's device inputs, built on the host as numpy and padded to buckets."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.runtime.sampling import SamplingInputs
+from kernels.metadata import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    input_ids: np.ndarray  # (T,) int32
+    attn: AttentionMetadata
+    logits_indices: np.ndarray  # (S,) int32: last query row of each sequence
+    sampling: SamplingInputs
+
+    @property
+    def bucket(self) -> tuple[int, int, int]:
+        return (self.input_ids.shape[0], self.logits_indices.shape[0],
+                self.attn.block_tables.shape[1])
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def build_step_inputs(
+    scheduled: list[ScheduledSeq],
+    buckets: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
+    block_size: int,
+    num_blocks: int,
+) -> StepInputs:
+    tok_b, seq_b, blk_b = buckets
+    num_seqs = len(scheduled)
+    num_tokens = sum(s.num_tokens for s in scheduled)
+    t_pad = pick_bucket(tok_b, num_tokens, "tokens in step")
+    s_pad = pick_bucket(seq_b, num_seqs, "sequences in step")
+    mb_pad = pick_bucket(blk_b, max(len(s.seq.block_table) for s in scheduled), "blocks per seq")
+
+    input_ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    token_seq = np.zeros(t_pad, np.int32)
+    # Out-of-range slots make the scatter drop the padding rows' K/V.
+    slot_mapping = np.full(t_pad, num_blocks * block_size, np.int32)
+    block_tables = np.zeros((s_pad, mb_pad), np.int32)
+    context_lens = np.zeros(s_pad, np.int32)
+    query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
+    logits_indices = np.zeros(s_pad, np.int32)
+    temperature = np.zeros(s_pad, np.float32)
+    top_p = np.ones(s_pad, np.float32)
+    top_k = np.zeros(s_pad, np.int32)
+    seeds = np.zeros(s_pad, np.uint32)
+    steps = np.zeros(s_pad, np.int32)
+    samples = np.zeros(s_pad, bool)
+
+    # This runs on the host every step while the device waits: Python touches each sequence
+    # once, and the per-token rows (positions, owners, slots) come from vectorized numpy.
+    ns = np.fromiter((s.num_tokens for s in scheduled), np.int32, num_seqs)
+    starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
+    qsl = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(ns, out=qsl[1:])
+    query_start_loc[:num_seqs] = qsl[:-1]
+    context_lens[:num_seqs] = starts + ns
+    logits_indices[:num_seqs] = qsl[1:] - 1
+    for i, sch in enumerate(scheduled):
+        table = sch.seq.block_table
+        block_tables[i, :len(table)] = table
+    seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), ns)  # (num_tokens,)
+    pos = starts[seq_of_row] + (np.arange(num_tokens, dtype=np.int32) - qsl[:-1][seq_of_row])
+    positions[:num_tokens] = pos
+    token_seq[:num_tokens] = seq_of_row
+    slot_mapping[:num_tokens] = (block_tables[seq_of_row, pos // block_size] * block_size
+                                 + pos % block_size)
+    ids: list[int] = []
+    for s in scheduled:
+        if s.num_tokens == 1:
+            ids.append(s.seq.token_at(s.start))
+        else:
+            ids.extend(s.seq.tokens(s.start, s.start + s.num_tokens))
+    input_ids[:num_tokens] = ids
+    params = [s.seq.params for s in scheduled]
+    temperature[:num_seqs] = [p.temperature for p in params]
+    top_p[:num_seqs] = [p.top_p for p in params]
+    top_k[:num_seqs] = [p.top_k for p in params]
+    seeds[:num_seqs] = [s.seq.seed for s in scheduled]
+    steps[:num_seqs] = [s.seq.num_output_tokens for s in scheduled]
+    samples[:num_seqs] = [s.samples for s in scheduled]
+
+    return StepInputs(
+        input_ids=input_ids,
+        attn=AttentionMetadata(positions=positions, token_seq=token_seq,
+                               slot_mapping=slot_mapping, block_tables=block_tables,
+                               context_lens=context_lens, query_start_loc=query_start_loc),
+        logits_indices=logits_indices,
+        sampling=SamplingInputs(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
+                                steps=steps, samples=samples),
+    )
+
+
+def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int) -> StepInputs:
+    """Shape-only stand-in for compiling a bucket at warmup (all rows are padding)."""
+    i32 = lambda n: np.zeros(n, np.int32)
+    return StepInputs(
+        input_ids=i32(t),
+        attn=AttentionMetadata(positions=i32(t), token_seq=i32(t),
+                               slot_mapping=np.full(t, num_blocks * block_size, np.int32),
+                               block_tables=np.zeros((s, mb), np.int32), context_lens=i32(s),
+                               query_start_loc=i32(s + 1)),
+        logits_indices=i32(s),
+        sampling=SamplingInputs(temperature=np.zeros(s, np.float32),
+                                top_p=np.ones(s, np.float32), top_k=i32(s),
+                                seeds=np.zeros(s, np.uint32), steps=i32(s),
+                                samples=np.zeros(s, bool)),
+    )

@@ -1,0 +1,157 @@
+"""AsyncEngine: one background thread owns the LLMEngine and steps it while there is work.
+
+Requests enter from any asyncio task (any number of connections) through a thread-safe command
+queue; the engine thread applies commands between steps, so the engine itself is never touched
+by two threads. Outputs go back per request through `loop.call_soon_threadsafe` into a bounded
+asyncio queue. The engine thread never blocks on a consumer: when a request's queue is full (its
+client stopped reading), the request is marked overflowed and aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The outputs of one request, consumed on the asyncio loop that created it."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, maxsize: int):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue(maxsize)
+        self.overflowed = False
+        self.finished = False
+        self.on_overflow: Callable[[RequestStream], None] | None = None
+
+    def _put(self, out: RequestOutput) -> None:  # runs on the stream's loop
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(out)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            if self.on_overflow:
+                self.on_overflow(self)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        self.finished = out.finished
+        return out
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue_per_request: int = 256,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.max_queue_per_request = max_queue_per_request
+        self.on_step = on_step  # called on the engine thread after every step
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # --------------------------------------------------------------------------- asyncio side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def add_request(self, request_id: str, prompt: str | None = None,
+                          params: SamplingParams | None = None, *,
+                          prompt_token_ids: list[int] | None = None,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request; raises what LLMEngine.add_request raises (ValueError, ...)."""
+        stream = RequestStream(request_id, asyncio.get_running_loop(),
+                               self.max_queue_per_request)
+        stream.on_overflow = lambda s: self.abort(s.request_id)
+        kwargs = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids,
+                      priority=priority, arrival_time=time.perf_counter())
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("add", stream, kwargs, fut))
+        await asyncio.wrap_future(fut)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id, None, None))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, None, fut))
+        return await asyncio.wrap_future(fut)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send(self, cmd) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"engine loop is not running ({self.error!r})")
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    # ----------------------------------------------------------------------------- engine side
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, a, b, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "add":
+                    self.engine.add_request(a.request_id, **b)
+                    self._streams[a.request_id] = a
+                    fut.set_result(None)
+                elif kind == "abort":
+                    self.engine.abort(a)  # its "abort" output comes from the next step()
+                elif kind == "call":
+                    fut.set_result(a(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller gets the error, the loop goes on
+                if fut is not None:
+                    fut.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                for out in outputs:
+                    stream = (self._streams.pop(out.request_id, None) if out.finished
+                              else self._streams.get(out.request_id))
+                    if stream is not None:
+                        stream.loop.call_soon_threadsafe(stream._put, out)
+                if self.on_step is not None:
+                    self.on_step(self.engine, outputs)
+        except BaseException as e:  # the server reports a dead loop through health checks
+            self.error = e
+            logger.exception("engine loop died")
+            raise

@@ -1,0 +1,260 @@
+"""OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions (both with
+`stream: true` as server-sent events), /v1/models, /health, /metrics (Prometheus text).
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for bad
+fields, 401 for a missing or wrong key, 404 for an unknown model or route, 429 when the waiting
+queue is full, 503 while shutting down.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from jaxserve.core.sampling_params import SamplingParams, param_names
+from jaxserve.engine.llm_engine import QueueFullError
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (status, message, param,
+                                                                       kind, code)
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+def build_app(server) -> web.Application:
+    api = _Api(server)
+    app = web.Application(middlewares=[api.middleware],
+                          client_max_size=server.config.max_frame_bytes)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics)
+    return app
+
+
+class _Api:
+    def __init__(self, server):
+        self.server = server
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        try:
+            if request.path.startswith("/v1/"):
+                auth = request.headers.get("Authorization", "")
+                key = auth[7:] if auth.startswith("Bearer ") else None
+                if not self.server.authorized(key):
+                    raise ApiError(401, "invalid or missing API key", kind="authentication_error",
+                                   code="invalid_api_key")
+            return await handler(request)
+        except ApiError as e:
+            return e.response()
+        except web.HTTPException as e:
+            if e.status == 404:
+                return ApiError(404, f"no route {request.method} {request.path}",
+                                kind="not_found_error").response()
+            if e.status == 405:
+                return ApiError(405, f"method {request.method} not allowed on {request.path}",
+                                kind="invalid_request_error").response()
+            if e.status == 413:
+                return ApiError(413, "request body too large").response()
+            raise
+
+    # ------------------------------------------------------------------------------ helpers
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "request body must be JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.server.config.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.server.config.model_name!r}", param="model",
+                           kind="not_found_error", code="model_not_found")
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        return body
+
+    def _params(self, body: dict, default_max_tokens: int | None) -> SamplingParams:
+        """SamplingParams from the body: its fields under their own names, plus OpenAI's
+        spellings (max_completion_tokens; chat's logprobs: true with top_logprobs: k)."""
+        raw = {k: body[k] for k in param_names() if k in body}
+        if raw.get("max_tokens") is None:
+            raw["max_tokens"] = body.get("max_completion_tokens", default_max_tokens)
+        if isinstance(raw.get("logprobs"), bool):
+            raw["logprobs"] = (body.get("top_logprobs") or 0) if raw["logprobs"] else None
+        try:
+            params = SamplingParams.from_dict(raw)
+            params.validate(self.server.engine.config.max_logprobs)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
+        return params
+
+    async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str):
+        if self.server.draining:
+            raise ApiError(503, "the server is shutting down", kind="server_error")
+        problem = self.server.check_limits(prompt, prompt_ids, params.max_tokens)
+        if problem:
+            raise ApiError(400, problem, param="prompt" if "prompt" in problem else "max_tokens")
+        engine_id = self.server.new_engine_id(prefix)
+        try:
+            stream = await self.server.submit(engine_id, prompt, prompt_ids, params)
+        except QueueFullError as e:
+            raise ApiError(429, str(e), kind="rate_limit_error") from None
+        except ValueError as e:
+            msg = str(e)
+            raise ApiError(400, msg, param=msg.split()[0].rstrip(":")) from None
+        return engine_id, stream
+
+    async def _collect(self, request: web.Request, engine_id: str, stream):
+        try:
+            async for out in stream:
+                if out.finished:
+                    return out
+        finally:
+            if not stream.finished:  # client went away
+                self.server.async_engine.abort(engine_id)
+
+    async def _sse(self, request: web.Request, engine_id: str, stream, make_chunk, first=None):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            if first is not None:
+                await resp.write(_event(first))
+            async for out in stream:
+                chunk = make_chunk(out)
+                if chunk is not None:
+                    await resp.write(_event(chunk))
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionError, RuntimeError):
+            self.server.async_engine.abort(engine_id)
+        finally:
+            if not stream.finished:
+                self.server.async_engine.abort(engine_id)
+        return resp
+
+    # ------------------------------------------------------------------------------ routes
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        prompt_ids = None
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
+                                     for t in prompt):
+                raise ApiError(400, "prompt must be a string or a list of token ids "
+                                    "(one prompt per request)", param="prompt")
+            prompt, prompt_ids = None, prompt
+        elif not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        if body.get("echo"):
+            raise ApiError(400, "echo is not supported", param="echo")
+        params = self._params(body, 16)
+        engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl")
+        created, model = int(time.time()), self.server.config.model_name
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.get("stream"):
+            def chunk(out):
+                comp = out.outputs[0]
+                if not comp.new_text and not out.finished:
+                    return None
+                return {"id": rid, "object": "text_completion", "created": created,
+                        "model": model, "choices": [{"index": 0, "text": comp.new_text,
+                                                     "logprobs": None,
+                                                     "finish_reason": comp.finish_reason}]}
+            return await self._sse(request, engine_id, stream, chunk)
+        out = await self._collect(request, engine_id, stream)
+        comp = out.outputs[0]
+        return web.json_response({
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": comp.text, "logprobs": _logprobs(comp),
+                         "finish_reason": comp.finish_reason}],
+            "usage": _usage(out)})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ApiError(400, "messages must be a non-empty list of {role, content} strings",
+                           param="messages")
+        tok = self.server.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template", param="messages")
+        prompt = tok.apply_chat_template([{"role": m["role"], "content": m["content"]}
+                                          for m in messages], tokenize=False,
+                                         add_generation_prompt=True)
+        params = self._params(body, None)
+        engine_id, stream = await self._submit(prompt, None, params, "chat")
+        created, model = int(time.time()), self.server.config.model_name
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.get("stream"):
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": model}
+            first = base | {"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                         "finish_reason": None}]}
+
+            def chunk(out):
+                comp = out.outputs[0]
+                if not comp.new_text and not out.finished:
+                    return None
+                delta = {"content": comp.new_text} if comp.new_text else {}
+                return base | {"choices": [{"index": 0, "delta": delta,
+                                            "finish_reason": comp.finish_reason}]}
+            return await self._sse(request, engine_id, stream, chunk, first)
+        out = await self._collect(request, engine_id, stream)
+        comp = out.outputs[0]
+        return web.json_response({
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
+                         "logprobs": None, "finish_reason": comp.finish_reason}],
+            "usage": _usage(out)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.server.config.model_name, "object": "model", "created": 0,
+            "owned_by": "jaxserve", "max_model_len": self.server.engine.config.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.server.async_engine.is_alive:
+            return web.json_response({"status": "error"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.server.exporter.render(),
+                            content_type="text/plain", charset="utf-8")
+
+
+def _event(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _usage(out) -> dict:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _logprobs(comp) -> dict | None:
+    if comp.logprobs is None:
+        return None
+    return {"token_logprobs": [e["logprob"] for e in comp.logprobs],
+            "top_logprobs": [{str(k): v for k, v in e["top"].items()} for e in comp.logprobs]}

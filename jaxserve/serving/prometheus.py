@@ -1,0 +1,78 @@
+"""Prometheus export of the engine's metrics (the server's GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from jaxserve.engine.llm_engine import LLMEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0)
+
+
+class PrometheusExporter:
+    """Own registry per server; `update` runs on the engine thread after every step."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("jaxserve_num_requests_running", "Requests in the running set",
+                             registry=r)
+        self.waiting = Gauge("jaxserve_num_requests_waiting", "Requests waiting", registry=r)
+        self.swapped = Gauge("jaxserve_num_requests_swapped", "Requests swapped to host",
+                             registry=r)
+        self.kv_usage = Gauge("jaxserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                              registry=r)
+        self.kv_used = Gauge("jaxserve_kv_blocks_used", "KV blocks in use", registry=r)
+        self.preemptions = Counter("jaxserve_preemptions", "Preemptions", registry=r)
+        self.rejections = Counter("jaxserve_rejections", "Requests refused at admission",
+                                  registry=r)
+        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens computed",
+                                     registry=r)
+        self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.finished = Counter("jaxserve_requests_finished", "Finished requests",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "TTFT",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("jaxserve_time_per_output_token_seconds", "TPOT",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "End-to-end latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.step = Histogram("jaxserve_step_duration_seconds", "Engine step duration",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self._seen = {"num_preemptions": 0, "num_rejections": 0, "prompt_tokens": 0,
+                      "generation_tokens": 0, "num_requests_finished": 0, "num_steps": 0}
+
+    def update(self, engine: LLMEngine, outputs=None) -> None:
+        snap = engine.metrics_snapshot()
+        self.running.set(snap["num_running"])
+        self.waiting.set(snap["num_waiting"])
+        self.swapped.set(snap["num_swapped"])
+        self.kv_usage.set(snap["kv_usage"])
+        self.kv_used.set(snap["kv_blocks_used"])
+        for key, counter in (("num_preemptions", self.preemptions),
+                             ("num_rejections", self.rejections),
+                             ("prompt_tokens", self.prompt_tokens),
+                             ("generation_tokens", self.generation_tokens)):
+            delta = snap[key] - self._seen[key]
+            if delta > 0:
+                counter.inc(delta)
+            self._seen[key] = snap[key]
+        m = engine.metrics
+        new = snap["num_requests_finished"] - self._seen["num_requests_finished"]
+        self._seen["num_requests_finished"] = snap["num_requests_finished"]
+        for stats in m.finished[-new:] if new > 0 else []:
+            self.finished.labels(stats.finish_reason or "unknown").inc()
+            if stats.ttft is not None:
+                self.ttft.observe(stats.ttft)
+            if stats.tpot is not None:
+                self.tpot.observe(stats.tpot)
+            if stats.e2e is not None:
+                self.e2e.observe(stats.e2e)
+        steps = snap["num_steps"] - self._seen["num_steps"]
+        self._seen["num_steps"] = snap["num_steps"]
+        for d in m.step_durations[-steps:] if steps > 0 else []:
+            self.step.observe(d)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

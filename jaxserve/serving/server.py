@@ -1,0 +1,322 @@
+"""The serving process: the socket protocol (see protocol.py) and, optionally, OpenAI-style HTTP.
+
+One AsyncEngine thread keeps a single continuous batch full for every connection. Each generate
+request gets a task that forwards its outputs as frames; a connection that closes aborts its
+requests, which returns their KV blocks at once. Malformed input only ever costs the sender an
+error frame (or its connection, when the byte stream itself is broken).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import itertools
+import logging
+import time
+from typing import Any
+
+from jaxserve.config import option
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.engine.llm_engine import LLMEngine, QueueFullError
+from jaxserve.serving.async_engine import AsyncEngine, RequestStream
+from jaxserve.serving.prometheus import PrometheusExporter
+from jaxserve.serving.protocol import (
+    CLIENT_TYPES,
+    ProtocolError,
+    encode,
+    parse_generate,
+    read_frame,
+)
+
+logger = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = option("127.0.0.1", "address both fronts bind to")
+    port: int = option(7070, "socket protocol port (0: any free port)")
+    http_port: int | None = option(8000, "OpenAI-compatible HTTP port (0: off)")
+    api_key: str | None = option(None, "clients must present this key (socket auth frame, "
+                                       "HTTP Bearer)")
+    max_frame_bytes: int = option(1 << 20, "largest socket frame or HTTP body, in bytes")
+    max_prompt_tokens: int | None = option(None, "longest prompt accepted (default: "
+                                                 "max_model_len)")
+    max_tokens_limit: int | None = option(None, "largest max_tokens a request may ask "
+                                                "(default: no cap)")
+    max_concurrent_per_connection: int = option(64, "live requests one socket connection may "
+                                                    "hold")
+    max_queue_per_request: int = option(256, "outputs buffered for a client that does not "
+                                             "read before its request is aborted")
+    shutdown_timeout_s: float = option(10.0, "on SIGINT/SIGTERM, how long in-flight requests "
+                                             "may finish before they are aborted")
+    model_name: str = option("jaxserve", "the model id /v1/models reports and requests name")
+
+    def __post_init__(self):
+        for name in ("max_frame_bytes", "max_concurrent_per_connection", "max_queue_per_request"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class _Conn:
+    def __init__(self, number: int, writer: asyncio.StreamWriter):
+        self.number = number
+        self.writer = writer
+        self.active: dict[str, str] = {}  # client id -> engine id
+        self.tasks: set[asyncio.Task] = set()
+        self.closed = False
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if not self.closed:
+            self.writer.write(encode(msg))
+
+    async def drain(self) -> None:
+        if not self.closed:
+            await self.writer.drain()
+
+    def error(self, code: str, message: str, request_id: str | None = None) -> None:
+        msg = {"type": "error", "code": code, "message": message}
+        if request_id is not None:
+            msg["id"] = request_id
+        self.send(msg)
+
+    def kill(self) -> None:
+        """Cut the connection off now (a client that stopped reading)."""
+        self.closed = True
+        self.writer.transport.abort()
+
+
+class Server:
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None,
+                 step_hooks: tuple = ()):
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self.exporter = PrometheusExporter()
+        hooks = (self.exporter.update, *step_hooks)  # each: hook(engine, outputs), engine thread
+
+        def on_step(engine, outputs):
+            for hook in hooks:
+                hook(engine, outputs)
+
+        self.async_engine = AsyncEngine(engine, self.config.max_queue_per_request,
+                                        on_step=on_step)
+        self._conn_numbers = itertools.count()
+        self._conns: set[_Conn] = set()
+        self._socket_server: asyncio.base_events.Server | None = None
+        self._http_runner = None
+        self.draining = False
+        self.socket_port: int | None = None
+        self.http_port: int | None = None
+        self._ids = itertools.count()
+
+    # --------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self.async_engine.start()
+        cfg = self.config
+        self._socket_server = await asyncio.start_server(self._handle, cfg.host, cfg.port,
+                                                         limit=cfg.max_frame_bytes + 16)
+        self.socket_port = self._socket_server.sockets[0].getsockname()[1]
+        if cfg.http_port is not None:
+            from aiohttp import web
+
+            from jaxserve.serving.openai_http import build_app
+
+            self._http_runner = web.AppRunner(build_app(self), access_log=None)
+            await self._http_runner.setup()
+            site = web.TCPSite(self._http_runner, cfg.host, cfg.http_port)
+            await site.start()
+            self.http_port = site._server.sockets[0].getsockname()[1]
+
+    def where(self) -> str:
+        s = f"socket {self.config.host}:{self.socket_port}"
+        if self.http_port is not None:
+            s += f", OpenAI HTTP http://{self.config.host}:{self.http_port}/v1"
+        return s
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let in-flight requests finish within the deadline, abort the rest."""
+        self.draining = True
+        if self._socket_server is not None:
+            self._socket_server.close()
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        while time.monotonic() < deadline:
+            if not await self.async_engine.call(lambda e: e.num_unfinished_requests):
+                break
+            await asyncio.sleep(0.05)
+        await self.async_engine.call(lambda e: [e.abort(r) for r in list(e.requests)])
+        await asyncio.sleep(0.2)  # let the final "abort" frames go out
+        for conn in list(self._conns):
+            conn.closed = True
+            conn.writer.close()
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
+        self.async_engine.stop()
+
+    # --------------------------------------------------------------------------- shared helpers
+
+    def new_engine_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def check_limits(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                     max_tokens: int) -> str | None:
+        """The limit a request breaks, as a message naming it; None if it is within limits."""
+        cfg = self.config
+        if cfg.max_tokens_limit is not None and max_tokens > cfg.max_tokens_limit:
+            return f"max_tokens {max_tokens} exceeds the server's max_tokens_limit " \
+                   f"({cfg.max_tokens_limit})"
+        limit = cfg.max_prompt_tokens or self.engine.config.max_model_len
+        if prompt_token_ids is not None:
+            n = len(prompt_token_ids)
+        elif prompt is not None and self.engine.tokenizer is not None:
+            # Cheap bound first: a token is at least one character of text.
+            n = len(prompt)
+            if n > limit:
+                n = len(self.engine.tokenizer(prompt).input_ids)
+        else:
+            n = 0
+        if n > limit:
+            return f"prompt has {n} tokens, more than max_prompt_tokens ({limit})"
+        return None
+
+    async def submit(self, engine_id: str, prompt, prompt_token_ids, params,
+                     priority: int = 0) -> RequestStream:
+        return await self.async_engine.add_request(engine_id, prompt, params,
+                                                   prompt_token_ids=prompt_token_ids,
+                                                   priority=priority)
+
+    def authorized(self, key: str | None) -> bool:
+        want = self.config.api_key
+        if want is None:
+            return True
+        return isinstance(key, str) and hmac.compare_digest(key.encode(), want.encode())
+
+    # --------------------------------------------------------------------------- socket side
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Conn(next(self._conn_numbers), writer)
+        self._conns.add(conn)
+        authed = self.config.api_key is None
+        try:
+            while not conn.closed:
+                try:
+                    msg = await read_frame(reader, self.config.max_frame_bytes)
+                except ProtocolError as e:
+                    conn.error(e.code, e.message, e.request_id)
+                    if e.fatal:
+                        await conn.drain()
+                        break
+                    continue
+                if msg is None:
+                    break
+                kind = msg["type"]
+                if kind not in CLIENT_TYPES:
+                    conn.error("unknown_type", f"unknown frame type {kind!r}; expected one of "
+                                               f"{list(CLIENT_TYPES)}")
+                elif kind == "auth":
+                    authed = self.authorized(msg.get("api_key"))
+                    if authed:
+                        conn.send({"type": "auth", "status": "ok"})
+                    else:
+                        conn.error("unauthorized", "invalid api_key")
+                elif not authed:
+                    rid = msg.get("id")
+                    conn.error("unauthorized", "send an auth frame with the api_key first",
+                               rid if isinstance(rid, str) else None)
+                elif kind == "generate":
+                    await self._generate(conn, msg)
+                elif kind == "abort":
+                    cid = msg.get("id")
+                    if isinstance(cid, str) and cid in conn.active:
+                        self.async_engine.abort(conn.active[cid])
+                    else:
+                        conn.error("not_found", f"no active request with id {cid!r}",
+                                   cid if isinstance(cid, str) else None)
+                elif kind == "health":
+                    ok = self.async_engine.is_alive
+                    conn.send({"type": "health", "status": "ok" if ok else "error"})
+                elif kind == "stats":
+                    snap = await self.async_engine.call(lambda e: e.metrics_snapshot())
+                    conn.send({"type": "stats", **snap})
+                await conn.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            conn.closed = True
+            for engine_id in conn.active.values():
+                self.async_engine.abort(engine_id)  # a disconnect frees its requests' blocks
+            for task in conn.tasks:
+                task.cancel()
+            self._conns.discard(conn)
+            writer.close()
+
+    async def _generate(self, conn: _Conn, msg: dict) -> None:
+        try:
+            req = parse_generate(msg)
+        except ProtocolError as e:
+            conn.error(e.code, e.message, e.request_id)
+            return
+        if self.draining:
+            conn.error("shutting_down", "the server is shutting down", req.id)
+            return
+        if req.id in conn.active:
+            conn.error("duplicate_id", f"id {req.id!r} is already active on this connection",
+                       req.id)
+            return
+        if len(conn.active) >= self.config.max_concurrent_per_connection:
+            conn.error("limit_exceeded", f"max_concurrent_per_connection "
+                                         f"({self.config.max_concurrent_per_connection}) reached",
+                       req.id)
+            return
+        problem = self.check_limits(req.prompt, req.prompt_token_ids, req.params.max_tokens)
+        if problem:
+            conn.error("limit_exceeded", problem, req.id)
+            return
+        engine_id = f"c{conn.number}-{req.id}"
+        conn.active[req.id] = engine_id
+        try:
+            stream = await self.submit(engine_id, req.prompt, req.prompt_token_ids, req.params,
+                                       req.priority)
+        except QueueFullError as e:
+            conn.active.pop(req.id, None)
+            conn.error("queue_full", str(e), req.id)
+            return
+        except ValueError as e:
+            conn.active.pop(req.id, None)
+            conn.error("invalid_request", str(e), req.id)
+            return
+        if conn.closed:  # the client left while the request was being queued
+            self.async_engine.abort(engine_id)
+
+        def overflow(s: RequestStream) -> None:
+            self.async_engine.abort(s.request_id)
+            conn.kill()
+
+        stream.on_overflow = overflow
+        task = asyncio.create_task(self._pump(conn, req.id, stream, req.stream))
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
+
+    async def _pump(self, conn: _Conn, cid: str, stream: RequestStream, want_stream: bool):
+        try:
+            async for out in stream:
+                comp = out.outputs[0]
+                if want_stream and comp.new_token_ids and comp.finish_reason != "abort":
+                    conn.send({"type": "token", "id": cid, "text": comp.new_text,
+                               "token_ids": comp.new_token_ids})
+                if out.finished:
+                    conn.send(done_frame(cid, out))
+                await conn.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            conn.active.pop(cid, None)
+
+
+def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:
+    comp = out.outputs[0]
+    m = out.metrics
+    return {"type": "done", "id": cid, "finish_reason": comp.finish_reason,
+            "stop_reason": comp.stop_reason, "text": comp.text, "token_ids": comp.token_ids,
+            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(comp.token_ids),
+            "ttft": m.ttft, "e2e": m.e2e}

@@ -1,0 +1,48 @@
+"""The reference implementation: HF transformers on torch (a test and benchmark dependency only;
+the engine never imports torch). It loads the same weights the engine serves, GGUF included, and
+writes tiny random models of the supported architectures with `save_pretrained`."""
+
+from __future__ import annotations
+
+import os
+
+
+def load_hf_model(model_path: str | None):
+    """The HF model for `model_path` (default: the bundled GGUF), float32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.loader import default_model_path
+
+    path = model_path or default_model_path()
+    if path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                    gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
+    """Write a tiny random-weight model with `save_pretrained` and return the torch model."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.1, eos_token_id=2, bos_token_id=1)
+    common |= overrides
+    if arch == "llama":
+        cfg = tf.LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 64}, **common)
+        cls = tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.save_pretrained(path)
+    return model

@@ -1,0 +1,207 @@
+"""The scheduler alone, driven by SimExecutor (no model): examples and property-based tests."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.core.scheduler import SchedulerConfig
+from jaxserve.testing.sim import SimExecutor, fake_token
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def sim(num_blocks=64, block_size=4, host=0, clock=None, **kw) -> SimExecutor:
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    cfg.update(kw)
+    return SimExecutor(SchedulerConfig(**cfg), num_blocks, block_size, host, clock=clock)
+
+
+def test_classic_example_trace():
+    s = sim(max_num_seqs=3)
+    for rid, n in zip("ABCD", [1, 3, 2, 3], strict=True):
+        s.add(rid, prompt_len=4, max_tokens=n)
+    trace = []
+    while s.requests:
+        trace.append([x.seq.request_id for x in s.step().scheduled])
+    assert trace == [["A", "B", "C"], ["B", "C", "D"], ["B", "D"], ["D"]]
+
+
+def test_600_token_prompt_beside_80_decodes():
+    s = sim(num_blocks=2000, block_size=16, max_num_seqs=100, max_num_batched_tokens=512,
+            max_model_len=2048)
+    for i in range(80):
+        s.add(f"d{i}", 3, 100)
+    s.step()
+    s.step()
+    s.add("long", 600, 5)
+    first, second = s.step(), s.step()
+    chunk = {x.seq.request_id: x.num_tokens for x in first.scheduled}
+    assert chunk["long"] == 432 and first.num_tokens == 512
+    assert {x.seq.request_id: x.num_tokens for x in second.scheduled}["long"] == 168
+    assert sum(1 for x in second.scheduled if not x.is_prefill) == 80
+
+
+def test_chunk_alignment_rounds_down_but_not_the_last_chunk():
+    s = sim(num_blocks=200, block_size=16, max_num_seqs=8, max_num_batched_tokens=300,
+            prefill_chunk_alignment=128)
+    s.add("p", 700, 2)
+    sizes = []
+    while s.requests:
+        sizes += [x.num_tokens for x in s.step().scheduled if x.is_prefill]
+    assert sizes == [256, 256, 188]
+
+
+def test_static_batching_waits_for_the_whole_batch():
+    def run(policy):
+        s = sim(max_num_seqs=4, policy=policy)
+        for i, n in enumerate([2, 12, 3, 12, 2, 2, 3, 12]):
+            s.add(f"r{i}", 4, n)
+        busy = []
+        while s.requests:
+            busy.append(len(s.step().scheduled))
+        return busy
+
+    static, continuous = run("static"), run("fcfs")
+    assert len(static) > len(continuous)
+    assert min(static) < 4  # idle slots while the batch's long member finishes
+    assert sum(static) == sum(continuous)
+
+
+def test_preemption_recompute_and_swap_resume():
+    for mode, host in (("recompute", 0), ("swap", 64)):
+        s = sim(num_blocks=12, block_size=4, host=host, max_num_seqs=4, preemption_mode=mode)
+        for i in range(4):
+            s.add(f"r{i}", 6, 10)
+        s.run()
+        assert s.scheduler.num_preemptions > 0
+        for rid, seq in s.finished.items():
+            assert seq.output_token_ids == [fake_token(rid, i) for i in range(10)]
+        s.block_manager.check_integrity()
+        assert s.block_manager.num_free_blocks == 12
+        if host:
+            assert s.scheduler.swap_space.num_used == 0
+
+
+def test_priority_late_high_priority_runs_first():
+    clock = Clock()
+    s = sim(max_num_seqs=2, policy="priority", clock=clock)
+    for i in range(4):
+        s.add(f"low{i}", 4, 20, priority=5)
+    s.step()
+    s.add("high", 4, 3, priority=0)
+    out = s.step()
+    assert "high" in [x.seq.request_id for x in out.scheduled]
+    low = [s.requests[f"low{i}"].metrics.num_preemptions for i in (0, 1)]
+    assert sum(low) == 1
+
+
+def test_aging_bounds_the_wait_of_a_low_priority_request():
+    for aging, should_finish in ((None, False), (2.0, True)):
+        clock = Clock()
+        s = sim(max_num_seqs=2, policy="priority", clock=clock, priority_aging_s=aging)
+        s.add("low", 4, 3, priority=10)
+        for t in range(200):
+            clock.t = float(t)
+            if len(s.requests) < 6:  # a steady stream of high-priority work
+                s.add(f"h{t}", 4, 4, priority=0)
+            s.step()
+            if "low" in s.finished:
+                break
+        assert ("low" in s.finished) == should_finish
+        if should_finish:
+            assert t < 60  # waited ~ priority gap * aging_s steps, not forever
+
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(1, 25))
+    reqs = [dict(arrive=draw(st.integers(0, 30)), prompt=draw(st.integers(1, 60)),
+                 out=draw(st.integers(1, 25)), prio=draw(st.integers(0, 3)),
+                 abort_at=draw(st.one_of(st.none(), st.integers(0, 60))))
+            for _ in range(n)]
+    cfg = dict(max_num_seqs=draw(st.integers(1, 8)),
+               max_num_batched_tokens=draw(st.sampled_from([8, 16, 33, 64])),
+               policy=draw(st.sampled_from(["fcfs", "priority", "static"])),
+               preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+               prefill_chunk_alignment=draw(st.sampled_from([1, 4])),
+               priority_aging_s=draw(st.sampled_from([None, 3.0])))
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    # The pool always fits the largest request (admission control guarantees that in the engine).
+    need = max(-(-(r["prompt"] + r["out"]) // block_size) for r in reqs)
+    num_blocks = draw(st.integers(need, need * 4))
+    host = draw(st.sampled_from([0, 2, 50]))
+    return reqs, cfg, block_size, num_blocks, host
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_scheduler_invariants(w):
+    reqs, cfg, block_size, num_blocks, host = w
+    cfg["max_num_seqs"] = min(cfg["max_num_seqs"], cfg["max_num_batched_tokens"])
+    clock = Clock()
+    s = sim(num_blocks=num_blocks, block_size=block_size, host=host, clock=clock,
+            max_model_len=512, **cfg)
+    bm = s.block_manager
+    pending = sorted(enumerate(reqs), key=lambda x: x[1]["arrive"])
+    aborted = set()
+    step = 0
+    while pending or s.requests:
+        clock.t = float(step)
+        while pending and pending[0][1]["arrive"] <= step:
+            i, r = pending.pop(0)
+            s.add(f"r{i}", r["prompt"], r["out"], priority=r["prio"])
+        for i, r in enumerate(reqs):
+            if r["abort_at"] == step and f"r{i}" in s.requests:
+                s.abort(f"r{i}")
+                aborted.add(f"r{i}")
+        finished_before = set(s.finished)
+        out = s.step()
+        # Limits hold every step.
+        assert out.num_tokens <= cfg["max_num_batched_tokens"]
+        assert len(out.scheduled) <= cfg["max_num_seqs"]
+        assert len(s.scheduler.running) <= cfg["max_num_seqs"]
+        assert all(x.num_tokens > 0 for x in out.scheduled)
+        # Block accounting is exact; running sequences hold exactly the blocks they need.
+        bm.check_integrity()
+        for seq in s.scheduler.running:
+            assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens)
+        assert sum(len(q.block_table) for q in s.scheduler.running) == bm.num_used_blocks
+        # A finished request never runs again.
+        assert not {x.seq.request_id for x in out.scheduled} & finished_before
+        step += 1
+        assert step < 5000, "no progress"
+    assert bm.num_free_blocks == bm.num_blocks
+    if s.scheduler.swap_space:
+        assert s.scheduler.swap_space.num_used == 0
+    for i, r in enumerate(reqs):
+        rid = f"r{i}"
+        seq = s.finished[rid]
+        want = [fake_token(rid, k) for k in range(r["out"])]
+        if rid in aborted:
+            assert seq.output_token_ids == want[:len(seq.output_token_ids)]
+        else:  # every request gets exactly its tokens, in order, preempted or not
+            assert seq.output_token_ids == want
+
+
+def test_static_batch_is_max_num_seqs_even_when_prompts_exceed_the_budget():
+    s = sim(max_num_seqs=4, max_num_batched_tokens=8, policy="static")
+    for i in range(6):
+        s.add(f"r{i}", 6, 2 + i)
+    seen_batches, steps = [], 0
+    while s.requests:
+        s.step()
+        steps += 1
+        batch = {q.request_id for q in s.scheduler.running}
+        if batch and batch not in seen_batches and not (seen_batches and batch <= seen_batches[-1]):
+            seen_batches.append(batch)
+    assert seen_batches[0] == {"r0", "r1", "r2", "r3"}  # the whole batch, prefilled in chunks
+    assert seen_batches[1] == {"r4", "r5"}
+    assert all(seq.output_token_ids == [fake_token(r, k) for k in range(seq.params.max_tokens)]
+               for r, seq in s.finished.items())

@@ -1,0 +1,41 @@
+"""The shared post-step loop on the host: progress, several tokens per row, stop rules."""
+
+from __future__ import annotations
+
+from jaxserve import SamplingParams
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.sequence import Sequence
+from jaxserve.engine.postprocess import Postprocessor
+
+
+def setup(**params):
+    sched = Scheduler(SchedulerConfig(4, 64, 32), BlockManager(16, 4))
+    seq = Sequence("r", [1, 2, 3], SamplingParams(**params), 0, 0)
+    sched.add(seq)
+    return sched, seq, Postprocessor(sched, max_model_len=32, eos_token_ids=frozenset({2}))
+
+
+def test_rows_of_several_tokens_stop_at_the_first_stop_and_return_blocks():
+    sched, seq, post = setup(max_tokens=10, stop_token_ids=[7])
+    out = sched.schedule()
+    (u,) = post.apply(out.scheduled, [[5, 7, 9]], now=1.0)
+    assert seq.num_computed_tokens == 3
+    assert u.new_token_ids == [5, 7] and u.finished  # 9 came after the stop: dropped
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", 7)
+    assert seq.metrics.token_times == [1.0, 1.0] and seq.metrics.finished_time == 1.0
+    assert sched.block_manager.num_free_blocks == 16 and not sched.running
+
+
+def test_length_eos_and_rows_without_tokens():
+    sched, seq, post = setup(max_tokens=2)
+    out = sched.schedule()
+    assert post.apply(out.scheduled, [[]], now=0.0) == []  # a chunk that samples nothing
+    (u,) = post.apply(out.scheduled, [[4, 6]], now=0.0)
+    assert u.finished and seq.finish_reason == "length" and seq.output_token_ids == [4, 6]
+    sched, seq, post = setup(max_tokens=5)
+    (u,) = post.apply(sched.schedule().scheduled, [[2]], now=0.0)
+    assert u.finished and seq.finish_reason == "stop" and seq.stop_reason is None
+    sched, seq, post = setup(max_tokens=5, ignore_eos=True)
+    (u,) = post.apply(sched.schedule().scheduled, [[2]], now=0.0)
+    assert not u.finished

@@ -1,0 +1,72 @@
+"""Step inputs built on the host: token rows, slots, tables, sampling fields, bucket padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.sequence import Sequence
+from jaxserve.runtime.step_inputs import build_step_inputs, dummy_step_inputs, pick_bucket
+
+BUCKETS = ((8, 16, 32), (2, 4), (2, 4))
+BLOCK = 4
+POOL = 20
+
+
+def seq(rid, prompt, out=(), blocks=(), computed=0, **params) -> Sequence:
+    s = Sequence(rid, list(prompt), SamplingParams(**params), 0, seed=7)
+    for t in out:
+        s.append_token(t)
+    s.block_table = list(blocks)
+    s.num_computed_tokens = computed
+    return s
+
+
+def test_mixed_prefill_chunk_and_decode():
+    # a: a prompt of 6 in its first chunk of 5 (slots in blocks 3, 9); b: decoding its 7th token.
+    a = seq("a", [11, 12, 13, 14, 15, 16], blocks=[3, 9], temperature=0)
+    b = seq("b", [21, 22, 23, 24, 25, 26], out=[27], blocks=[5, 2], computed=6,
+            temperature=0.5, top_p=0.9, top_k=3)
+    sched = [ScheduledSeq.of(a, 5), ScheduledSeq.of(b, 1)]
+    assert [s.samples for s in sched] == [False, True]
+    inp = build_step_inputs(sched, BUCKETS, BLOCK, POOL)
+    assert inp.bucket == (8, 2, 2)
+    md = inp.attn
+    np.testing.assert_array_equal(inp.input_ids, [11, 12, 13, 14, 15, 27, 0, 0])
+    np.testing.assert_array_equal(md.positions[:6], [0, 1, 2, 3, 4, 6])
+    np.testing.assert_array_equal(md.token_seq[:6], [0, 0, 0, 0, 0, 1])
+    # slot = block * B + offset; padding rows point past the pool so their writes are dropped
+    np.testing.assert_array_equal(md.slot_mapping, [12, 13, 14, 15, 36, 10, 80, 80])
+    np.testing.assert_array_equal(md.block_tables, [[3, 9], [5, 2]])
+    np.testing.assert_array_equal(md.context_lens, [5, 7])
+    np.testing.assert_array_equal(md.query_start_loc, [0, 5, 6])
+    np.testing.assert_array_equal(inp.logits_indices, [4, 5])
+    sp = inp.sampling
+    np.testing.assert_allclose(sp.temperature, [0, 0.5])
+    np.testing.assert_allclose(sp.top_p, [1, 0.9])
+    np.testing.assert_array_equal(sp.top_k, [0, 3])
+    np.testing.assert_array_equal(sp.seeds, [7, 7])
+    np.testing.assert_array_equal(sp.steps, [0, 1])
+    np.testing.assert_array_equal(sp.samples, [False, True])
+
+
+def test_padding_sequences_and_blocks_take_the_next_bucket():
+    seqs = [seq(f"s{i}", [5, 6, 7], blocks=[i], temperature=0) for i in range(3)]
+    inp = build_step_inputs([ScheduledSeq.of(s, 3) for s in seqs], BUCKETS, BLOCK, POOL)
+    assert inp.bucket == (16, 4, 2)
+    md = inp.attn
+    np.testing.assert_array_equal(md.query_start_loc, [0, 3, 6, 9, 9])  # padding seq: empty
+    np.testing.assert_array_equal(md.context_lens, [3, 3, 3, 0])
+    assert not inp.sampling.samples[3]
+    assert (md.slot_mapping[9:] == POOL * BLOCK).all()
+
+
+def test_a_step_beyond_the_largest_bucket_is_refused():
+    with pytest.raises(ValueError, match="tokens in step 33 exceeds the largest bucket 32"):
+        pick_bucket(BUCKETS[0], 33, "tokens in step")
+
+
+def test_dummy_inputs_have_the_bucket_shape():
+    assert dummy_step_inputs(16, 4, 2, BLOCK, POOL).bucket == (16, 4, 2)

@@ -1,0 +1,41 @@
+"""EngineConfig: validation, enums, and the command-line options derived from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from jaxserve.config import EngineConfig, add_options, from_options
+from jaxserve.core.scheduler import PreemptionMode, SchedulingPolicy
+from kernels import AttentionBackend
+
+
+def test_strings_become_enums_and_bad_names_are_refused():
+    cfg = EngineConfig(scheduling_policy="priority", preemption_mode="swap",
+                       attention_backend="reference")
+    assert cfg.scheduling_policy is SchedulingPolicy.PRIORITY
+    assert cfg.preemption_mode is PreemptionMode.SWAP
+    assert cfg.attention_backend is AttentionBackend.REFERENCE
+    assert cfg.scheduler_config().policy is SchedulingPolicy.PRIORITY
+    for field in ("scheduling_policy", "preemption_mode", "attention_backend"):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: "nonsense"})
+
+
+def test_every_field_is_an_option_with_its_default_and_help():
+    ap = argparse.ArgumentParser()
+    add_options(ap, EngineConfig)
+    actions = {a.dest: a for a in ap._actions}
+    for f in dataclasses.fields(EngineConfig):
+        assert f.metadata["help"], f.name
+        a = actions[f.name]
+        assert a.help.startswith(f.metadata["help"]) and "default:" in a.help
+        assert a.default == f.default
+    assert actions["scheduling_policy"].choices == ["fcfs", "priority", "static"]
+    args = ap.parse_args(["--max-num-seqs", "8", "--token-buckets", "16", "32",
+                          "--strict-compile", "--preemption-mode", "swap"])
+    cfg = from_options(EngineConfig, args)
+    assert cfg == EngineConfig(max_num_seqs=8, token_buckets=(16, 32), strict_compile=True,
+                               preemption_mode="swap")
