@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.testing.ragged import ragged_metadata  # noqa: E402
-from kernels import select_attention  # noqa: E402
+from kernels import AttentionBackend, select_attention  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.reference import ragged_paged_attention_reference  # noqa: E402
 
@@ -71,7 +71,7 @@ def timed(fn, repeats: int) -> float:
 
 def backends_here(dry_run: bool) -> dict:
     out = {}
-    for name in ("reference", "pallas", "triton"):
+    for name in (b.value for b in AttentionBackend if b is not AttentionBackend.AUTO):
         try:
             out[name] = select_attention(name)[1]
         except ValueError as e:

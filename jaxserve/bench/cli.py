@@ -24,6 +24,7 @@ from typing import Any
 from jaxserve.bench import drivers, plots, report
 from jaxserve.bench.workload import WorkloadConfig, make_workload
 from jaxserve.config import EngineConfig, add_options, from_options
+from jaxserve.core.scheduler import SchedulingPolicy
 
 # The workload's seed has the --seed flag; the engine's seed only matters for sampled requests,
 # and the bench's requests are greedy.
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
         workload = make_workload(wcfg, engine.model_config.vocab_size)
         if args.compare:
             summaries, raw = drivers.compare(
-                lambda policy: engine if policy == "fcfs" else engine_factory(policy), workload,
+                lambda p: engine if p is SchedulingPolicy.FCFS else engine_factory(p), workload,
                 args.model, args.hf_batch, progress)
             _plot(plots.plot_distributions, raw, out("latency.png"))
         else:

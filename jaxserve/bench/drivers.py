@@ -13,6 +13,7 @@ from jaxserve.bench.report import summarize
 from jaxserve.bench.workload import BenchRequest
 from jaxserve.core.outputs import RequestMetrics
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import SchedulingPolicy
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -156,7 +157,8 @@ def compare(engine_factory: Callable[[str], Any], workload: list[BenchRequest],
                 res, dur = hf_baselines.run_continuous(model, workload, progress)
             out[system], raw[system] = summarize(res, dur, workload), res
         else:
-            engine = engine_factory("static" if system == "jaxserve-static" else "fcfs")
+            engine = engine_factory(SchedulingPolicy.STATIC if system == "jaxserve-static"
+                                    else SchedulingPolicy.FCFS)
             res, dur, samples = run_engine(engine, workload, progress)
             out[system], raw[system] = summarize(res, dur, workload, samples), res
     base = out.get("jaxserve")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import gzip
 import os
+import sys
 
 import pytest
 
@@ -135,3 +136,9 @@ def test_static_timeline_plot_marks_idle_slots(tiny_llama_dir, tmp_path):
     path = tmp_path / "timeline.png"
     plots.plot_timeline(e.step_trace, str(path), 3)
     assert path.stat().st_size > 1000
+
+
+def test_plots_say_what_to_install_without_matplotlib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(plots.PlotsUnavailable, match=r"pip install -e '\.\[bench\]'"):
+        plots.pyplot()
