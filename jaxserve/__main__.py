@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             if out.finished:
                 reason = out.outputs[0].finish_reason
     dt = time.perf_counter() - t1
-    print(f"\n[{n} tokens in {dt:.2f}s, finish_reason={reason}]", file=sys.stderr)
+    runner = engine.runner
+    print(f"\n[{n} tokens in {dt:.2f}s, finish_reason={reason}; compiled {runner.num_compiles} "
+          f"programs in {runner.compile_seconds:.1f}s]", file=sys.stderr)
     return 0
 
 

@@ -60,6 +60,9 @@ class EngineConfig:
         None, "padded blocks-per-sequence widths to compile (default: x4 steps up to the "
               "blocks of max_model_len)")
     strict_compile: bool = option(False, "raise if any program compiles after warmup()")
+    compilation_cache_dir: str | None = option(
+        None, "persistent XLA compilation cache, so a second start loads its programs "
+              "(default: $JAXSERVE_CACHE_DIR/xla or ~/.cache/jaxserve/xla; '' turns it off)")
     attention_backend: AttentionBackend = option(
         AttentionBackend.AUTO, "paged attention kernel (auto: pallas on a GPU, reference "
                                "elsewhere)")

@@ -2,9 +2,9 @@
 start, so the resulting Flax param tree is saved once with orbax (plus the config and the
 tokenizer) and restored on later loads of the same file.
 
-The cache lives in $JAXSERVE_CACHE_DIR, else ~/.cache/jaxserve/converted; JAXSERVE_CACHE_DIR=""
-turns it off. An entry is keyed by the source file's absolute path, size and modification time,
-so a changed file is converted again.
+The cache lives in $JAXSERVE_CACHE_DIR/converted, else ~/.cache/jaxserve/converted;
+JAXSERVE_CACHE_DIR="" turns it off (and every other jaxserve cache). An entry is keyed by the
+source file's absolute path, size and modification time, so a changed file is converted again.
 """
 
 from __future__ import annotations
@@ -23,11 +23,18 @@ logger = logging.getLogger(__name__)
 _FORMAT = 2  # bump when the param layout changes, so stale entries are ignored
 
 
-def cache_root() -> str | None:
+def cache_home() -> str | None:
+    """The root of jaxserve's caches: $JAXSERVE_CACHE_DIR, else ~/.cache/jaxserve; None when
+    JAXSERVE_CACHE_DIR is empty (caching off)."""
     root = os.environ.get("JAXSERVE_CACHE_DIR")
     if root == "":
         return None
-    return root or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "converted")
+    return root or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+
+
+def cache_root() -> str | None:
+    home = cache_home()
+    return None if home is None else os.path.join(home, "converted")
 
 
 def entry_dir(source: str) -> str | None:

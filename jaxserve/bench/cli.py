@@ -84,14 +84,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     progress = not args.no_progress
-    import jax
-
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
     from models.loader import load_model
 
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla"))
     if args.profiler_port:
         start_profiler_server(args.profiler_port)
     wcfg = from_options(WorkloadConfig, args)

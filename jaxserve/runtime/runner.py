@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import PreemptionMode
+from jaxserve.runtime import compile_cache
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import SamplerOutput, sample
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs
@@ -66,6 +67,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         self.config = config
+        self.compilation_cache_dir = compile_cache.enable(config.compilation_cache_dir)
         self.model_config = mc = loaded.config
         self.dtype = resolve_dtype(config.dtype)
         self.attention_backend, attn_fn = select_attention(config.attention_backend)
@@ -86,6 +88,7 @@ class ModelRunner:
                                donate_argnums=(1,))
         self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self.num_compiles = 0
+        self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
         self.is_warm = False
 
     def _step(self, params, kv: KVCache, inp: StepInputs, max_logprobs: int):
@@ -106,7 +109,9 @@ class ModelRunner:
         if self.is_warm and self.config.strict_compile:
             raise RecompileError(f"bucket {bucket} was not compiled at warmup")
         dummy = dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
+        t0 = time.perf_counter()
         exe = self._jitted.lower(self.params, self.kv, dummy).compile()
+        self.compile_seconds += time.perf_counter() - t0
         self.num_compiles += 1
         self._executables[bucket] = exe
         return exe
