@@ -168,9 +168,10 @@ def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
         args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(
             hint, types.UnionType) else [hint]
         base = args[0]
-        kw: dict[str, Any] = {"default": f.default,
-                              "help": f"{f.metadata.get('help', '')} (default: "
-                                      f"{getattr(f.default, 'value', f.default)})"}
+        text = f.metadata.get("help", "")
+        if "default" not in text:  # a description may say what the default means instead
+            text += f" (default: {getattr(f.default, 'value', f.default)})"
+        kw: dict[str, Any] = {"default": f.default, "help": text}
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(base) is tuple:
