@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import tempfile
 
-import jax
 import pytest
 
-# Many tests build engines over the same model; identical programs then come from the cache.
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("JAXSERVE_TEST_XLA_CACHE",
-                                 os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+from jaxserve.runtime import compile_cache
+
+# Many tests build engines over the same model; identical programs then come from the cache,
+# kept apart from the user's own cache.
+compile_cache.enable(os.environ.get(
+    "JAXSERVE_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 
