@@ -1,11 +1,19 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax linen, over a paged KV cache.
 
 The forward takes one step's tokens (prefill chunks and decodes mixed, flattened to T rows) and
-the KV pages, and returns the updated pages plus the last hidden state of the rows that produce
-logits. Layers are stacked with `nn.scan`, so the program holds one layer body whatever the depth.
-The KV pool rides in the scan carry whole; each layer scatters into it at (layer, block, offset)
-and attention reads it at its layer index, so XLA updates the donated pool in place (slicing a
-layer out and writing it back would copy the pool every step).
+the KV pages, and returns the updated pages plus the logits of the rows that produce them.
+
+Two layer loops, same maths (`scan_layers`):
+- scanned: the layers' params are stacked on axis 0 and `nn.scan` runs one layer body L times.
+  The program is small and compiles fast, but each iteration slices its layer's weights out of
+  the stacks, which XLA:CPU does as a copy: every step streams the weights twice.
+- unrolled: L separate layers (`layers_0` ... params), each reading its own weight arrays in
+  place. A bigger program that compiles slower, and on a CPU about 2x faster per decode step.
+`layout_params` turns the loader's stacked tree into either layout.
+
+Either way the KV pool rides through the layers whole; each layer scatters into it at (layer,
+block, offset) and attention reads it at its layer index, so XLA updates the donated pool in place
+(slicing a layer out and writing it back would copy the pool every step).
 """
 
 from __future__ import annotations
@@ -76,7 +84,8 @@ class DecoderLayer(nn.Module):
         k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
         attn = self.attn_fn(q, k_pages, v_pages, layer, md)  # (T, N, H)
         wo = self.param("wo", init, (n, h, d), dt)
-        x = x + jnp.einsum("TNH,NHD->TD", attn, wo)
+        # One contraction over N*H: with two contracting dims XLA:CPU copies wo every step.
+        x = x + attn.reshape(attn.shape[0], n * h) @ wo.reshape(n * h, d)
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
         gate = jnp.einsum("TD,DF->TF", y, self.param("w_gate", init, (d, f), dt))
@@ -85,10 +94,21 @@ class DecoderLayer(nn.Module):
         return (x, k_pages, v_pages, layer + 1), None
 
 
+def layout_params(params: dict, num_layers: int, scan_layers: bool) -> dict:
+    """The loader's tree (layers stacked under "layers") in the layout `Transformer` expects."""
+    if scan_layers:
+        return params
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    return out
+
+
 class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     attn_fn: AttentionFn = ragged_paged_attention_reference
+    scan_layers: bool = True
 
     @nn.compact
     def __call__(
@@ -108,14 +128,22 @@ class Transformer(nn.Module):
         freqs = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
         cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
 
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-        )(cfg, dt, self.attn_fn, name="layers")
-        (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin, md)
+        if self.scan_layers:
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+            )(cfg, dt, self.attn_fn, name="layers")
+            (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin,
+                                                 md)
+        else:  # the layer index is a Python int: static slices of the pool, no dynamic ones
+            carry = (x, k_pages, v_pages, 0)
+            for i in range(cfg.num_layers):
+                carry, _ = DecoderLayer(cfg, dt, self.attn_fn, name=f"layers_{i}")(carry, cos,
+                                                                                     sin, md)
+            x, k_pages, v_pages, _ = carry
 
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x[logits_indices])  # (S, D)
         if cfg.tie_word_embeddings:

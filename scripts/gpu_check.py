@@ -160,12 +160,12 @@ def time_engine(dry_run: bool) -> list[dict]:
         qsl = np.full(b + 1, b, np.int32)
         qsl[:b] = np.arange(b)
         inp = StepInputs(
-            input_ids=np.ones(t, np.int32),
+            input_ids=np.ones(t, np.int32), prev_rows=np.full(t, -1, np.int32),
             attn=AttentionMetadata(pos, tseq, slots, tables, np.full(b, ctx + 1, np.int32), qsl),
             logits_indices=np.arange(b, dtype=np.int32),
             sampling=SamplingInputs(np.zeros(b, np.float32), np.ones(b, np.float32),
                                     np.zeros(b, np.int32), np.zeros(b, np.uint32),
-                                    np.zeros(b, np.int32), np.ones(b, bool)))
+                                    np.zeros(b, np.int32), np.ones(b, bool), np.bool_(False)))
         dt = timed(lambda inp=inp, runner=runner: runner.execute(inp).token_ids,
                    3 if dry_run else 20)
         rows.append({"batch": b, "context": ctx, "dtype": dtype, "backend":

@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from jaxserve.bench import drivers, plots, report
+from jaxserve.bench import drivers, plots, report, roofline
 from jaxserve.bench.workload import WorkloadConfig, make_workload
 from jaxserve.config import EngineConfig, add_options, from_options
 from jaxserve.core.scheduler import SchedulingPolicy
@@ -151,8 +151,11 @@ def main(argv=None) -> int:
         shown = [drivers.request_id(r) for r in workload[:args.timeline_requests]]
         _plot(plots.plot_timeline, engine.step_trace[:200], out("timeline.png"),
               engine.config.max_num_seqs, shown)
-        payload |= {"environment": report.environment(engine), "summaries": summaries}
+        floor = roofline.decode_vs_floor(engine)
+        payload |= {"environment": report.environment(engine), "summaries": summaries,
+                    "decode_floor": floor}
         print(report.format_table(summaries))
+        print(roofline.format_floor(floor))
     report.write_json(out("bench.json"), payload)
     print(f"wrote {out('bench.json')}")
     return 0

@@ -159,6 +159,9 @@ class Scheduler:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
+            if seq.num_pending and (seq.num_sampled >= seq.params.max_tokens
+                                    or seq.num_tokens >= cfg.max_model_len):
+                continue  # its last token is on the way (asynchronous scheduling): done then
             start = seq.num_computed_tokens
             if start >= len(seq.block_table) * block_size:
                 if not self._make_room(seq, start + 1, scheduled_ids, out):
@@ -298,5 +301,6 @@ class Scheduler:
         if seq.status is SequenceStatus.SWAPPED and self.swap_space is not None:
             self.swap_space.release(seq)
         self.block_manager.free(seq)
+        seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finish_reason = reason

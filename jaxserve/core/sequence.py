@@ -16,13 +16,21 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+PENDING = -1  # token_at() of a position whose token is still being sampled on the device
+
+
 class Sequence:
-    """Prompt plus generated tokens. `num_computed_tokens` of them have K/V in the cache."""
+    """Prompt plus generated tokens. `num_computed_tokens` of them have K/V in the cache.
+
+    With asynchronous scheduling a sequence can be scheduled again before the token its last
+    step samples is back on the host: `num_pending` such tokens are counted in `num_tokens`
+    (so the scheduler sees the sequence decoding) but are not yet in `output_token_ids`.
+    """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "num_tokens", "params",
                  "arrival_index", "priority", "status", "num_computed_tokens", "block_table",
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
-                 "metrics")
+                 "metrics", "num_pending")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -43,13 +51,28 @@ class Sequence:
         self.text = ""
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.num_swapped_blocks = 0
+        self.num_pending = 0
         self.metrics = RequestMetrics(
             request_id, time.perf_counter() if arrival_time is None else arrival_time,
             len(self.prompt_token_ids))
 
     def append_token(self, token: int) -> None:
+        """Append a sampled token (it takes the place of the oldest pending one, if any)."""
         self.output_token_ids.append(token)
+        if self.num_pending:
+            self.num_pending -= 1
+        else:
+            self.num_tokens += 1
+
+    def add_pending(self) -> None:
+        """A step that will sample this sequence's next token has been launched."""
+        self.num_pending += 1
         self.num_tokens += 1
+
+    def drop_pending(self) -> None:
+        """Forget tokens still being sampled (the sequence finished before they arrived)."""
+        self.num_tokens -= self.num_pending
+        self.num_pending = 0
 
     @property
     def arrival_time(self) -> float:
@@ -65,7 +88,13 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens on the host (pending ones not counted)."""
         return len(self.output_token_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens generated or being generated: the index of the next draw in its RNG stream."""
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -78,11 +107,16 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         """Only the last sampled token lacks K/V: one query token this step."""
-        return self.num_tokens - self.num_computed_tokens == 1 and bool(self.output_token_ids)
+        return (self.num_tokens - self.num_computed_tokens == 1
+                and self.num_tokens > len(self.prompt_token_ids))
 
     def token_at(self, i: int) -> int:
+        """The token at position i, or PENDING while the device is still sampling it."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if i < n:
+            return self.prompt_token_ids[i]
+        i -= n
+        return self.output_token_ids[i] if i < len(self.output_token_ids) else PENDING
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

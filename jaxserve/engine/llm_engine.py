@@ -1,8 +1,9 @@
 """LLMEngine: requests in, one continuous-batching step at a time, outputs back.
 
-`step()` is schedule -> (swap) -> run the compiled forward -> postprocess (engine/postprocess.py:
+`step()` is schedule -> (swap) -> launch the compiled forward -> postprocess (engine/postprocess.py:
 append the sampled tokens, detokenize, apply the stop rules, return finished requests' KV blocks
-to the pool at once) -> one RequestOutput per request that produced something.
+to the pool at once) -> one RequestOutput per request that produced something. With asynchronous
+scheduling (the default) the postprocess of step N runs after step N+1 is launched.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.runtime.runner import ModelRunner
-from jaxserve.runtime.step_inputs import build_step_inputs
+from jaxserve.runtime.sampling import SamplerOutput
+from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
 from models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,9 @@ class StepRecord:
 
     index: int
     requests: list[tuple[str, int, int]]  # (request id, prefill tokens, decode tokens)
-    duration_s: float
+    duration_s: float  # from its scheduling to its tokens on the host (steps overlap when async)
     bucket: tuple[int, int, int] | None
+    finished_at: float = 0.0  # perf_counter when its tokens were postprocessed
 
     @property
     def request_ids(self) -> list[str]:
@@ -51,6 +54,17 @@ class StepRecord:
     @property
     def num_decode_tokens(self) -> int:
         return sum(d for _, _, d in self.requests)
+
+
+@dataclasses.dataclass(slots=True)
+class _Launched:
+    """A step on the device whose tokens the host has not read yet."""
+
+    sched: SchedulerOutput
+    inputs: StepInputs
+    output: SamplerOutput  # device arrays
+    rows: dict[str, int]  # request id -> its row, for the rows that sample
+    t0: float  # when its scheduling began
 
 
 class QueueFullError(RuntimeError):
@@ -79,6 +93,7 @@ class LLMEngine:
         self._arrivals = 0
         self.metrics = EngineMetrics()
         self.step_trace: list[StepRecord] | None = [] if config.enable_step_trace else None
+        self._in_flight: _Launched | None = None
 
     # ------------------------------------------------------------------------------ requests
 
@@ -174,7 +189,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -186,10 +201,27 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch the next step; return the outputs of the step that completed.
+
+        Synchronous: the step launched is the step completed. Asynchronous (the default): the
+        next step is scheduled and launched first, its decode rows reading the tokens of the
+        step still in flight on the device; then that earlier step's tokens are read back and
+        postprocessed while the new one runs. Sequences that stop in the earlier step waste
+        their row of the new one; nothing else differs, and the tokens are the same."""
         # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
         # "forward" and "sample" are also named scopes inside the compiled step.
-        t0 = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
+        launched = self._launch()
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.config.async_scheduling:
+            self._in_flight = None
+            outputs += self._complete(launched)
+        return outputs
+
+    def _launch(self) -> _Launched | None:
+        t0 = time.perf_counter()
         with jax.profiler.TraceAnnotation("jaxserve.schedule"):
             sched = self.scheduler.schedule()
             for device_ids, host_ids in sched.swap_out:
@@ -197,33 +229,43 @@ class LLMEngine:
             for device_ids, host_ids in sched.swap_in:
                 self.runner.swap_in(device_ids, host_ids)
         if sched.is_empty:
-            return outputs
+            return None
         with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
+            prev = self._in_flight
             inp = build_step_inputs(sched.scheduled, self.runner.buckets, self.config.block_size,
-                                    self.runner.num_blocks)
-            want_lp = any(s.seq.params.logprobs is not None and s.samples
-                          for s in sched.scheduled)
-        with jax.profiler.TraceAnnotation("jaxserve.forward"):
-            result = self.runner.execute(inp, want_lp)
+                                    self.runner.num_blocks, prev.rows if prev else None)
+        with jax.profiler.TraceAnnotation("jaxserve.launch"):
+            out = self.runner.dispatch(inp)
+            self.postprocessor.launched(sched.scheduled)
+        rows = {s.seq.request_id: i for i, s in enumerate(sched.scheduled) if s.samples}
+        return _Launched(sched, inp, out, rows, t0)
+
+    def _complete(self, step: _Launched) -> list[RequestOutput]:
+        want_lp = bool(step.inputs.sampling.want_logprobs)
+        with jax.profiler.TraceAnnotation("jaxserve.wait_tokens"):
+            result = self.runner.fetch(step.output, want_lp)
         now = time.perf_counter()
+        scheduled = step.sched.scheduled
+        outputs = []
         with jax.profiler.TraceAnnotation("jaxserve.postprocess"):
-            updates = self.postprocessor.apply(sched.scheduled, result.rows(len(sched.scheduled)),
-                                               now, result.logprob_entry if want_lp else None)
+            updates = self.postprocessor.resolve(scheduled, result.rows(len(scheduled)), now,
+                                                 result.logprob_entry if want_lp else None)
             for u in updates:
                 if u.finished:
                     self.metrics.record_finished(u.seq)
                     self.requests.pop(u.seq.request_id, None)
                 outputs.append(self._output(u))
-        prefill = sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
-        self.metrics.record_step(now - t0, prefill, sum(len(u.new_token_ids) for u in updates),
+        prefill = sum(s.num_tokens for s in scheduled if s.is_prefill)
+        self.metrics.record_step(now - step.t0, prefill,
+                                 sum(len(u.new_token_ids) for u in updates),
                                  len(self.scheduler.running), len(self.scheduler.waiting),
                                  self.block_manager.num_used_blocks)
         if self.step_trace is not None:
             self.step_trace.append(StepRecord(
                 self.metrics.num_steps - 1,
                 [(s.seq.request_id, s.num_tokens if s.is_prefill else 0,
-                  0 if s.is_prefill else s.num_tokens) for s in sched.scheduled],
-                now - t0, inp.bucket))
+                  0 if s.is_prefill else s.num_tokens) for s in scheduled],
+                now - step.t0, step.inputs.bucket, now))
         return outputs
 
     def metrics_snapshot(self) -> dict:

@@ -1,8 +1,9 @@
 """Postprocess: what the host does with one step's sampled tokens (no jax).
 
-For every scheduled sequence: advance its computed tokens, append the tokens it sampled (up to
-K per sequence: one today, more once speculative decoding accepts several), detokenize them
-incrementally, record logprobs and timings, and apply the stop rules: EOS (unless ignore_eos),
+When a step is launched, every scheduled sequence advances its computed tokens and marks the
+token it samples as pending. When the step's tokens are back, each sequence appends them (up to
+K per sequence: one today, more once speculative decoding accepts several), detokenizes them
+incrementally, records logprobs and timings, and applies the stop rules: EOS (unless ignore_eos),
 a stop token id, a stop string (the text is trimmed before it), max_tokens, max_model_len. A
 sequence that stops is finished in the scheduler at once, so its blocks return before the next
 schedule. The engine, the scheduler simulator and the host-overhead benchmark all step through
@@ -41,14 +42,29 @@ class Postprocessor:
 
     def apply(self, scheduled: list[ScheduledSeq], tokens: Seq[Seq[int]], now: float,
               logprobs: LogprobFn | None = None) -> list[SeqUpdate]:
-        """`tokens[i]`: the tokens row i sampled this step (empty for a prefill chunk that does
-        not reach its prompt's end)."""
+        """A synchronous step: `launched` then `resolve`."""
+        self.launched(scheduled)
+        return self.resolve(scheduled, tokens, now, logprobs)
+
+    @staticmethod
+    def launched(scheduled: list[ScheduledSeq]) -> None:
+        """The step is on the device: its tokens count as computed, and every row that samples
+        has a token pending, so the next schedule can run before this step's tokens are back."""
+        for s in scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+            if s.samples:
+                s.seq.add_pending()
+
+    def resolve(self, scheduled: list[ScheduledSeq], tokens: Seq[Seq[int]], now: float,
+                logprobs: LogprobFn | None = None) -> list[SeqUpdate]:
+        """`tokens[i]`: the tokens row i sampled (empty for a prefill chunk that does not reach
+        its prompt's end). Sequences that finished meanwhile (a stop in the step before, an
+        abort) are skipped: what was computed for them is dropped."""
         updates = []
         for i, s in enumerate(scheduled):
             seq = s.seq
-            seq.num_computed_tokens = s.start + s.num_tokens
             row = tokens[i]
-            if not row:
+            if not row or seq.is_finished:
                 continue
             update = SeqUpdate(seq, [], "", False)
             for j, token in enumerate(row):
@@ -90,7 +106,8 @@ class Postprocessor:
                 reason = "stop"
         update.new_text += new_text
         if reason is None and (seq.num_output_tokens >= p.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
+                               or seq.num_prompt_tokens + seq.num_output_tokens
+                               >= self.max_model_len):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop_reason

@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, LayerLoop
 from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.runtime import compile_cache
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import SamplerOutput, sample
-from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs
+from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
 from kernels import select_attention
-from models.llama import Transformer
+from models.llama import Transformer, layout_params
 from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,14 @@ class ModelRunner:
         self.model_config = mc = loaded.config
         self.dtype = resolve_dtype(config.dtype)
         self.attention_backend, attn_fn = select_attention(config.attention_backend)
-        self.model = Transformer(mc, self.dtype, attn_fn)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), loaded.params)
+        self.layer_loop = config.layer_loop
+        if self.layer_loop is LayerLoop.AUTO:
+            self.layer_loop = (LayerLoop.UNROLL if jax.default_backend() == "cpu"
+                               else LayerLoop.SCAN)
+        scan = self.layer_loop is LayerLoop.SCAN
+        self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan)
+        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype),
+                                   layout_params(loaded.params, mc.num_layers, scan))
         self.block_size = config.block_size
         per_block = bytes_per_block(mc, config.block_size, self.dtype)
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
@@ -86,31 +92,42 @@ class ModelRunner:
         self.buckets = config.buckets()
         self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
                                donate_argnums=(1,))
+        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32)
         self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
         self.is_warm = False
 
-    def _step(self, params, kv: KVCache, inp: StepInputs, max_logprobs: int):
+    def _step(self, params, kv: KVCache, last_tokens: jax.Array, inp: StepInputs,
+              max_logprobs: int):
+        """-> (kv, sampled, this step's tokens padded to last_tokens' shape).
+
+        last_tokens (max seq bucket,) int32: the previous step's sampled tokens, still on the
+        device; rows with prev_rows >= 0 take their input token from there, which lets the
+        host build this step before the previous one's tokens are read back."""
         with jax.named_scope("forward"):
-            k, v, logits = self.model.apply({"params": params}, inp.input_ids, kv.k, kv.v,
-                                            inp.attn, inp.logits_indices)
+            ids = jnp.where(inp.prev_rows >= 0, last_tokens[jnp.maximum(inp.prev_rows, 0)],
+                            inp.input_ids)
+            k, v, logits = self.model.apply({"params": params}, ids, kv.k, kv.v, inp.attn,
+                                            inp.logits_indices)
             kv = KVCache(k, v)
         with jax.named_scope("sample"):
-            return kv, sample(logits, inp.sampling, max_logprobs)
+            out = sample(logits, inp.sampling, max_logprobs)
+        next_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens[:, 0])
+        return kv, out, next_tokens
 
     # -------------------------------------------------------------------------------- compile
 
     def all_buckets(self) -> list[tuple[int, int, int]]:
         tok, seq, blk = self.buckets
-        return [(t, s, b) for t, s, b in itertools.product(tok, seq, blk) if s <= t]
+        return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
 
     def _compile(self, bucket: tuple[int, int, int]) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
             raise RecompileError(f"bucket {bucket} was not compiled at warmup")
         dummy = dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
         t0 = time.perf_counter()
-        exe = self._jitted.lower(self.params, self.kv, dummy).compile()
+        exe = self._jitted.lower(self.params, self.kv, self._last_tokens, dummy).compile()
         self.compile_seconds += time.perf_counter() - t0
         self.num_compiles += 1
         self._executables[bucket] = exe
@@ -139,14 +156,22 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------------- execute
 
-    def execute(self, inp: StepInputs, want_logprobs: bool = False) -> StepOutput:
+    def dispatch(self, inp: StepInputs) -> SamplerOutput:
+        """Launch one step; returns its device output without waiting for it."""
         exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
-        self.kv, out = exe(self.params, self.kv, inp)
-        out: SamplerOutput
-        # Reading the tokens back is the one host sync of a step.
+        self.kv, out, self._last_tokens = exe(self.params, self.kv, self._last_tokens, inp)
+        return out
+
+    @staticmethod
+    def fetch(out: SamplerOutput, want_logprobs: bool) -> StepOutput:
+        """Wait for a dispatched step and bring its tokens (and logprobs if asked) to the host."""
         result = StepOutput(np.asarray(out.tokens), np.asarray(out.num_tokens))
         if want_logprobs:
             result.logprobs = np.asarray(out.logprobs)
             result.top_ids = np.asarray(out.top_ids)
             result.top_logprobs = np.asarray(out.top_logprobs)
         return result
+
+    def execute(self, inp: StepInputs) -> StepOutput:
+        """dispatch + fetch: one synchronous step."""
+        return self.fetch(self.dispatch(inp), bool(inp.sampling.want_logprobs))

@@ -21,6 +21,7 @@ class SamplingInputs:
     seeds: jax.Array  # (S,) uint32
     steps: jax.Array  # (S,) int32: tokens the request has generated so far
     samples: jax.Array  # (S,) bool: the row's step reaches its sequence's end (padding: False)
+    want_logprobs: jax.Array  # () bool: some row asked for logprobs (else they are not computed)
 
 
 @jax.tree_util.register_dataclass
@@ -55,19 +56,37 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
 
 
 def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int) -> SamplerOutput:
-    """logits (S, V) float32 -> sampled tokens and logprobs (of the unscaled distribution)."""
+    """logits (S, V) float32 -> sampled tokens and logprobs (of the unscaled distribution).
+
+    Work is skipped by runtime conditions, not by separate programs: the sort behind top-k/top-p
+    runs only when a sampled row filters, the random draw only when a row samples, and the
+    log-softmax and top-k logprobs only when a row asked for them (on a CPU each of these costs
+    as much as a layer or more at 64 rows)."""
+    s = logits.shape[0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled_rows = si.temperature > 0
 
     def draw(_):
-        filtered = _filtered_logits(logits, si)
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(si.seeds, si.steps)
+        filters = jnp.any(sampled_rows & ((si.top_k > 0) | (si.top_p < 1)))
+        filtered = jax.lax.cond(
+            filters, lambda: _filtered_logits(logits, si),
+            lambda: logits / jnp.maximum(si.temperature, 1e-6)[:, None])
         return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
-    # Skip the sort entirely when every row is greedy (the common benchmark case).
-    sampled = jax.lax.cond(jnp.any(si.temperature > 0), draw, lambda _: greedy, None)
-    tokens = jnp.where(si.temperature > 0, sampled, greedy)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
+    sampled = jax.lax.cond(jnp.any(sampled_rows), draw, lambda _: greedy, None)
+    tokens = jnp.where(sampled_rows, sampled, greedy)
+
+    def logprobs():
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def no_logprobs():
+        return (jnp.zeros(s, jnp.float32), jnp.zeros((s, max_logprobs), jnp.int32),
+                jnp.zeros((s, max_logprobs), jnp.float32))
+
+    chosen, top_ids, top_lp = jax.lax.cond(si.want_logprobs, logprobs, no_logprobs)
     return SamplerOutput(tokens[:, None], si.samples.astype(jnp.int32), chosen[:, None],
-                         top_ids.astype(jnp.int32)[:, None], top_lp[:, None])
+                         top_ids[:, None], top_lp[:, None])

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.sequence import PENDING
 from jaxserve.runtime.sampling import SamplingInputs
 from kernels.metadata import AttentionMetadata
 
@@ -17,6 +19,9 @@ from kernels.metadata import AttentionMetadata
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     input_ids: np.ndarray  # (T,) int32
+    # (T,) int32: the row of the previous step's sampled tokens that is this row's input token
+    # (its token was still pending on the device when this step was built), or -1
+    prev_rows: np.ndarray
     attn: AttentionMetadata
     logits_indices: np.ndarray  # (S,) int32: last query row of each sequence
     sampling: SamplingInputs
@@ -34,17 +39,27 @@ def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
     return buckets[i]
 
 
+def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int) -> int:
+    """The one sequence bucket of token bucket `t_pad`: a step of at most t_pad tokens has at
+    most min(t_pad, max_num_seqs) sequences (the last seq bucket is max_num_seqs), so tying the
+    two keeps one program per (tokens, blocks) instead of one per (tokens, seqs, blocks)."""
+    return pick_bucket(seq_buckets, min(t_pad, seq_buckets[-1]), "sequences in step")
+
+
 def build_step_inputs(
     scheduled: list[ScheduledSeq],
     buckets: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
     block_size: int,
     num_blocks: int,
+    prev_rows: Mapping[str, int] | None = None,
 ) -> StepInputs:
+    """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
+    input token that step is sampling (asynchronous scheduling)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
     t_pad = pick_bucket(tok_b, num_tokens, "tokens in step")
-    s_pad = pick_bucket(seq_b, num_seqs, "sequences in step")
+    s_pad = seq_bucket(seq_b, t_pad)
     mb_pad = pick_bucket(blk_b, max(len(s.seq.block_table) for s in scheduled), "blocks per seq")
 
     input_ids = np.zeros(t_pad, np.int32)
@@ -82,10 +97,15 @@ def build_step_inputs(
     slot_mapping[:num_tokens] = (block_tables[seq_of_row, pos // block_size] * block_size
                                  + pos % block_size)
     ids: list[int] = []
-    for s in scheduled:
+    from_prev = np.full(t_pad, -1, np.int32)
+    for i, s in enumerate(scheduled):
         if s.num_tokens == 1:
-            ids.append(s.seq.token_at(s.start))
-        else:
+            token = s.seq.token_at(s.start)
+            if token == PENDING:  # the device has it: row qsl[i] reads it from the last step
+                from_prev[qsl[i]] = prev_rows[s.seq.request_id]
+                token = 0
+            ids.append(token)
+        else:  # a prompt chunk (or a recompute): every token is on the host
             ids.extend(s.seq.tokens(s.start, s.start + s.num_tokens))
     input_ids[:num_tokens] = ids
     params = [s.seq.params for s in scheduled]
@@ -93,17 +113,20 @@ def build_step_inputs(
     top_p[:num_seqs] = [p.top_p for p in params]
     top_k[:num_seqs] = [p.top_k for p in params]
     seeds[:num_seqs] = [s.seq.seed for s in scheduled]
-    steps[:num_seqs] = [s.seq.num_output_tokens for s in scheduled]
+    steps[:num_seqs] = [s.seq.num_sampled for s in scheduled]
     samples[:num_seqs] = [s.samples for s in scheduled]
+    want_logprobs = any(s.samples and s.seq.params.logprobs is not None for s in scheduled)
 
     return StepInputs(
         input_ids=input_ids,
+        prev_rows=from_prev,
         attn=AttentionMetadata(positions=positions, token_seq=token_seq,
                                slot_mapping=slot_mapping, block_tables=block_tables,
                                context_lens=context_lens, query_start_loc=query_start_loc),
         logits_indices=logits_indices,
         sampling=SamplingInputs(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
-                                steps=steps, samples=samples),
+                                steps=steps, samples=samples,
+                                want_logprobs=np.bool_(want_logprobs)),
     )
 
 
@@ -112,6 +135,7 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int)
     i32 = lambda n: np.zeros(n, np.int32)
     return StepInputs(
         input_ids=i32(t),
+        prev_rows=np.full(t, -1, np.int32),
         attn=AttentionMetadata(positions=i32(t), token_seq=i32(t),
                                slot_mapping=np.full(t, num_blocks * block_size, np.int32),
                                block_tables=np.zeros((s, mb), np.int32), context_lens=i32(s),
@@ -120,5 +144,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int)
         sampling=SamplingInputs(temperature=np.zeros(s, np.float32),
                                 top_p=np.ones(s, np.float32), top_k=i32(s),
                                 seeds=np.zeros(s, np.uint32), steps=i32(s),
-                                samples=np.zeros(s, bool)),
+                                samples=np.zeros(s, bool), want_logprobs=np.bool_(False)),
     )

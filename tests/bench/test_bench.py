@@ -92,8 +92,8 @@ def test_profile_trace_contains_named_scopes(tiny_llama_dir, tmp_path):
         with open(f, "rb") as fh:
             data = fh.read()
         blob += gzip.decompress(data) if f.endswith(".gz") else data
-    for scope in (b"jaxserve.schedule", b"jaxserve.prepare_inputs", b"jaxserve.forward",
-                  b"jaxserve.postprocess"):
+    for scope in (b"jaxserve.schedule", b"jaxserve.prepare_inputs", b"jaxserve.launch",
+                  b"jaxserve.wait_tokens", b"jaxserve.postprocess"):
         assert scope in blob, scope
 
 

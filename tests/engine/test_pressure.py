@@ -78,7 +78,9 @@ def test_abort_while_swapped_returns_device_and_host_blocks(tiny_llama_dir):
 
 
 def test_priority_late_request_gets_first_token_first(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, max_num_seqs=2, scheduling_policy="priority")
+    # Counted in step() calls: synchronous, so a step's tokens come back from the call that ran it
+    engine = make_engine(tiny_llama_dir, max_num_seqs=2, scheduling_policy="priority",
+                         async_scheduling=False)
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"low{i}", prompt_token_ids=[5, 6, 7, 8], params=p, priority=5)

@@ -61,13 +61,14 @@ def test_smollm_matches_hf_greedy(smollm, hf_smollm):
         assert got[f"r{i}"] == want, f"prompt {i} ({PROMPTS[i]!r}) differs from HF"
 
 
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_tiny_random_models_match_hf(arch, tiny_models):
+def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     path, hf_model = tiny_models[arch]
     rng = np.random.default_rng(7)
     ids = [rng.integers(3, 1000, size=int(n)).tolist() for n in rng.integers(5, 90, size=8)]
     engine = LLMEngine(EngineConfig(model=path, max_num_seqs=8, max_num_batched_tokens=64,
-                                    max_model_len=256, num_kv_blocks=96))
+                                    max_model_len=256, num_kv_blocks=96, layer_loop=layer_loop))
     assert engine.model_config.architecture.lower().startswith(arch)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = run_staggered(engine, ids, params, arrivals=[0, 0, 1, 1, 3, 4, 8, 12])

@@ -9,14 +9,16 @@ import numpy as np
 from jaxserve.runtime.sampling import SamplingInputs, sample
 
 
-def inputs(s, temperature=0.0, top_p=1.0, top_k=0, seeds=None, steps=None, samples=None):
+def inputs(s, temperature=0.0, top_p=1.0, top_k=0, seeds=None, steps=None, samples=None,
+           want_logprobs=True):
     full = lambda v, dt: jnp.full((s,), v, dt)  # noqa: E731
     return SamplingInputs(
         temperature=full(temperature, jnp.float32), top_p=full(top_p, jnp.float32),
         top_k=full(top_k, jnp.int32),
         seeds=jnp.asarray(seeds if seeds is not None else np.arange(s), jnp.uint32),
         steps=jnp.asarray(steps if steps is not None else np.zeros(s), jnp.int32),
-        samples=jnp.asarray(samples if samples is not None else np.ones(s, bool)))
+        samples=jnp.asarray(samples if samples is not None else np.ones(s, bool)),
+        want_logprobs=jnp.asarray(want_logprobs))
 
 
 LOGITS = jnp.log(jnp.array([[0.1, 0.6, 0.2, 0.1], [0.4, 0.05, 0.05, 0.5]], jnp.float32))

@@ -8,7 +8,12 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence
-from jaxserve.runtime.step_inputs import build_step_inputs, dummy_step_inputs, pick_bucket
+from jaxserve.runtime.step_inputs import (
+    build_step_inputs,
+    dummy_step_inputs,
+    pick_bucket,
+    seq_bucket,
+)
 
 BUCKETS = ((8, 16, 32), (2, 4), (2, 4))
 BLOCK = 4
@@ -32,24 +37,33 @@ def test_mixed_prefill_chunk_and_decode():
     sched = [ScheduledSeq.of(a, 5), ScheduledSeq.of(b, 1)]
     assert [s.samples for s in sched] == [False, True]
     inp = build_step_inputs(sched, BUCKETS, BLOCK, POOL)
-    assert inp.bucket == (8, 2, 2)
+    assert inp.bucket == (8, 4, 2)  # 8 token rows can hold 4 sequences: S pads to 4
     md = inp.attn
     np.testing.assert_array_equal(inp.input_ids, [11, 12, 13, 14, 15, 27, 0, 0])
     np.testing.assert_array_equal(md.positions[:6], [0, 1, 2, 3, 4, 6])
     np.testing.assert_array_equal(md.token_seq[:6], [0, 0, 0, 0, 0, 1])
     # slot = block * B + offset; padding rows point past the pool so their writes are dropped
     np.testing.assert_array_equal(md.slot_mapping, [12, 13, 14, 15, 36, 10, 80, 80])
-    np.testing.assert_array_equal(md.block_tables, [[3, 9], [5, 2]])
-    np.testing.assert_array_equal(md.context_lens, [5, 7])
-    np.testing.assert_array_equal(md.query_start_loc, [0, 5, 6])
-    np.testing.assert_array_equal(inp.logits_indices, [4, 5])
+    np.testing.assert_array_equal(md.block_tables, [[3, 9], [5, 2], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(md.context_lens, [5, 7, 0, 0])
+    np.testing.assert_array_equal(md.query_start_loc, [0, 5, 6, 6, 6])
+    np.testing.assert_array_equal(inp.logits_indices[:2], [4, 5])
     sp = inp.sampling
-    np.testing.assert_allclose(sp.temperature, [0, 0.5])
-    np.testing.assert_allclose(sp.top_p, [1, 0.9])
-    np.testing.assert_array_equal(sp.top_k, [0, 3])
-    np.testing.assert_array_equal(sp.seeds, [7, 7])
-    np.testing.assert_array_equal(sp.steps, [0, 1])
-    np.testing.assert_array_equal(sp.samples, [False, True])
+    np.testing.assert_allclose(sp.temperature[:2], [0, 0.5])
+    np.testing.assert_allclose(sp.top_p[:2], [1, 0.9])
+    np.testing.assert_array_equal(sp.top_k[:2], [0, 3])
+    np.testing.assert_array_equal(sp.seeds[:2], [7, 7])
+    np.testing.assert_array_equal(sp.steps[:2], [0, 1])
+    np.testing.assert_array_equal(sp.samples, [False, True, False, False])
+    assert not sp.want_logprobs  # nobody asked: the step skips the log-softmax
+
+
+def test_the_sequence_bucket_follows_the_token_bucket():
+    # a step of T padded rows holds at most min(T, max_num_seqs) sequences
+    assert [seq_bucket((8, 16, 64), t) for t in (8, 16, 32, 512)] == [8, 16, 64, 64]
+    assert seq_bucket((2, 4), 2) == 2
+    a = seq("a", [1, 2, 3], blocks=[0], temperature=0, logprobs=2)
+    assert build_step_inputs([ScheduledSeq.of(a, 3)], BUCKETS, BLOCK, POOL).sampling.want_logprobs
 
 
 def test_padding_sequences_and_blocks_take_the_next_bucket():

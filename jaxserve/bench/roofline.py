@@ -1,0 +1,70 @@
+"""How far a decode step is from the machine: the steady decode step time next to the time it
+takes, in the same process, to stream the model's weights from memory once.
+
+A decode step has to read every weight at least once, so that read is its floor on a machine
+whose compute outruns its memory (small batches); the ratio says how much of a step is
+something else (compute-bound matmuls at larger batches, attention, sampling, overheads).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+
+
+def weight_stream_seconds(params, repeats: int = 9) -> float:
+    """Fastest of `repeats` jitted passes that read every weight once (a sum per array): the
+    best the memory system does, as a floor should be."""
+    import jax
+    import jax.numpy as jnp
+
+    read_all = jax.jit(lambda p: sum(jnp.sum(a, dtype=jnp.float32) for a in jax.tree.leaves(p)))
+    jax.block_until_ready(read_all(params))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(read_all(params))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def params_bytes(params) -> int:
+    import jax
+
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def steady_decode_step(step_trace) -> tuple[float, tuple[int, int, int], int] | None:
+    """(median seconds between the completions of consecutive decode-only steps, their most
+    common bucket, how many) -- the step rate a user sees, with asynchronous scheduling too."""
+    gaps: dict[tuple, list[float]] = {}
+    for prev, rec in zip(step_trace, step_trace[1:], strict=False):
+        if rec.num_prefill_tokens == 0 and prev.num_prefill_tokens == 0:
+            gaps.setdefault(rec.bucket, []).append(rec.finished_at - prev.finished_at)
+    if not gaps:
+        return None
+    bucket, _ = Counter({b: len(g) for b, g in gaps.items()}).most_common(1)[0]
+    return statistics.median(gaps[bucket]), bucket, len(gaps[bucket])
+
+
+def decode_vs_floor(engine) -> dict | None:
+    """The steady decode step of `engine`'s trace against its weight-streaming floor."""
+    steady = steady_decode_step(engine.step_trace or [])
+    if steady is None:
+        return None
+    step_s, bucket, n = steady
+    floor_s = weight_stream_seconds(engine.runner.params)
+    nbytes = params_bytes(engine.runner.params)
+    return {"decode_step_s": step_s, "decode_bucket": list(bucket), "decode_steps": n,
+            "weight_stream_s": floor_s, "weight_bytes": nbytes,
+            "weight_stream_gb_per_s": nbytes / floor_s / 1e9, "step_over_floor": step_s / floor_s}
+
+
+def format_floor(f: dict | None) -> str:
+    if f is None:
+        return "steady decode: no two consecutive decode-only steps in this run"
+    return (f"steady decode step {f['decode_step_s'] * 1e3:.1f} ms (median of {f['decode_steps']}"
+            f" steps, bucket {tuple(f['decode_bucket'])}) vs weight-streaming floor "
+            f"{f['weight_stream_s'] * 1e3:.1f} ms ({f['weight_bytes'] / 1e6:.0f} MB at "
+            f"{f['weight_stream_gb_per_s']:.1f} GB/s): {f['step_over_floor']:.2f}x")

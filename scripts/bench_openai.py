@@ -1,0 +1,73 @@
+"""Chat completions at a fixed concurrency against any OpenAI-compatible server (scripts/serve.py,
+llama.cpp's llama-server, vLLM, ...), through the official `openai` client: the same prompts as
+bench_generate.py, greedy, all sent at once.
+
+    python scripts/bench_openai.py --base-url http://127.0.0.1:8000/v1 [--concurrency 32]
+
+Runs the workload once to warm up, then once timed; prints output tokens/s (from each
+response's usage), and TTFT and end-to-end latency medians (streamed). With --concurrency 1 and
+one prompt it gives a batch-1 decode rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.bench_generate import make_prompts  # noqa: E402
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """(TTFT s, end-to-end s, completion tokens) of one streamed chat completion."""
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter() - t0
+    return (first if first is not None else end), end, tokens
+
+
+def run(client, model: str, prompts: list[str], max_tokens: int, concurrency: int):
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: one_request(client, model, p, max_tokens), prompts))
+    return time.perf_counter() - t0, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=args.base_url, api_key=args.api_key, timeout=600)
+    prompts = make_prompts(args.num_prompts)
+    run(client, args.model, prompts, args.max_tokens, args.concurrency)  # warm-up
+    dur, results = run(client, args.model, prompts, args.max_tokens, args.concurrency)
+    n = sum(r[2] for r in results)
+    print(f"{len(prompts)} requests at concurrency {args.concurrency}: {n} output tokens in "
+          f"{dur:.2f} s = {n / dur:.1f} output tok/s; TTFT p50 "
+          f"{statistics.median(r[0] for r in results) * 1e3:.0f} ms; E2E p50 "
+          f"{statistics.median(r[1] for r in results):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
