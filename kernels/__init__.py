@@ -2,11 +2,12 @@
 
 | backend | where it runs | what it is |
 | --- | --- | --- |
-| reference | anywhere | plain jnp, gathers K/V per token (the CPU path and the oracle) |
+| reference | anywhere | plain jnp, gathers K/V per token: the oracle of the others |
+| xla | anywhere | plain jnp for XLA:CPU: the reference, plus query tiles in prefill-heavy steps |
 | pallas | GPU; CPU in interpret mode (slow: for tests) | Pallas kernel, Triton lowering |
 | triton | GPU with jax-triton | Triton kernel through `jax_triton.triton_call` |
 
-`auto` picks pallas on a GPU and reference elsewhere. This module imports jax only when a backend
+`auto` picks pallas on a GPU and xla elsewhere. This module imports jax only when a backend
 is selected, so configuration code can name backends without loading jax.
 """
 
@@ -19,6 +20,7 @@ import functools
 class AttentionBackend(enum.StrEnum):
     AUTO = "auto"
     REFERENCE = "reference"
+    XLA = "xla"
     PALLAS = "pallas"
     TRITON = "triton"
 
@@ -34,11 +36,15 @@ def select_attention(name: str | AttentionBackend):
                          f"{', '.join(b.value for b in AttentionBackend)}; got {name!r}") from None
     platform = jax.default_backend()
     if backend is AttentionBackend.AUTO:
-        backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.REFERENCE
+        backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.XLA
     if backend is AttentionBackend.REFERENCE:
         from kernels.reference import ragged_paged_attention_reference
 
         return backend, ragged_paged_attention_reference
+    if backend is AttentionBackend.XLA:
+        from kernels.xla_attention import ragged_paged_attention_xla
+
+        return backend, ragged_paged_attention_xla
     if backend is AttentionBackend.PALLAS:
         from kernels.pallas_attention import ragged_paged_attention
 

@@ -71,11 +71,7 @@ class ModelRunner:
         self.model_config = mc = loaded.config
         self.dtype = resolve_dtype(config.dtype)
         self.attention_backend, attn_fn = select_attention(config.attention_backend)
-        self.layer_loop = config.layer_loop
-        if self.layer_loop is LayerLoop.AUTO:
-            self.layer_loop = (LayerLoop.UNROLL if jax.default_backend() == "cpu"
-                               else LayerLoop.SCAN)
-        scan = self.layer_loop is LayerLoop.SCAN
+        scan = config.layer_loop is LayerLoop.SCAN
         self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan)
         self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype),
                                    layout_params(loaded.params, mc.num_layers, scan))

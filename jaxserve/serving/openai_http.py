@@ -129,17 +129,38 @@ class _Api:
             if not stream.finished:  # client went away
                 self.server.async_engine.abort(engine_id)
 
-    async def _sse(self, request: web.Request, engine_id: str, stream, make_chunk, first=None):
+    @staticmethod
+    def _include_usage(body: dict) -> bool:
+        """`stream_options: {"include_usage": true}`: a last chunk carries the usage."""
+        opts = body.get("stream_options")
+        if opts is None:
+            return False
+        if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+            raise ApiError(400, "stream_options must be an object whose include_usage is a "
+                                "boolean", param="stream_options")
+        if not body.get("stream"):
+            raise ApiError(400, "stream_options is only allowed with stream: true",
+                           param="stream_options")
+        return opts.get("include_usage", False)
+
+    async def _sse(self, request: web.Request, engine_id: str, stream, make_chunk, first=None,
+                   usage_base: dict | None = None):
+        """Stream chunks; with `usage_base` (stream_options.include_usage) a last chunk with no
+        choices carries the usage, as OpenAI's API does."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
             if first is not None:
                 await resp.write(_event(first))
+            last = None
             async for out in stream:
+                last = out
                 chunk = make_chunk(out)
                 if chunk is not None:
                     await resp.write(_event(chunk))
+            if usage_base is not None and last is not None:
+                await resp.write(_event(usage_base | {"choices": [], "usage": _usage(last)}))
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionError, RuntimeError):
             self.server.async_engine.abort(engine_id)
@@ -167,6 +188,7 @@ class _Api:
         if body.get("echo"):
             raise ApiError(400, "echo is not supported", param="echo")
         params = self._params(body, 16)
+        include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl")
         created, model = int(time.time()), self.server.config.model_name
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -179,7 +201,9 @@ class _Api:
                         "model": model, "choices": [{"index": 0, "text": comp.new_text,
                                                      "logprobs": None,
                                                      "finish_reason": comp.finish_reason}]}
-            return await self._sse(request, engine_id, stream, chunk)
+            usage = ({"id": rid, "object": "text_completion", "created": created,
+                      "model": model} if include_usage else None)
+            return await self._sse(request, engine_id, stream, chunk, usage_base=usage)
         out = await self._collect(request, engine_id, stream)
         comp = out.outputs[0]
         return web.json_response({
@@ -203,6 +227,7 @@ class _Api:
                                           for m in messages], tokenize=False,
                                          add_generation_prompt=True)
         params = self._params(body, None)
+        include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat")
         created, model = int(time.time()), self.server.config.model_name
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -220,7 +245,8 @@ class _Api:
                 delta = {"content": comp.new_text} if comp.new_text else {}
                 return base | {"choices": [{"index": 0, "delta": delta,
                                             "finish_reason": comp.finish_reason}]}
-            return await self._sse(request, engine_id, stream, chunk, first)
+            return await self._sse(request, engine_id, stream, chunk, first,
+                                   base if include_usage else None)
         out = await self._collect(request, engine_id, stream)
         comp = out.outputs[0]
         return web.json_response({

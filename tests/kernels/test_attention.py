@@ -16,6 +16,7 @@ from jaxserve.testing.ragged import ragged_metadata
 from kernels.kv_write import write_kv
 from kernels.pallas_attention import ragged_paged_attention
 from kernels.reference import ragged_paged_attention_reference
+from kernels.xla_attention import ragged_paged_attention_xla
 
 TOL = {"float32": (2e-5, 0.0), "bfloat16": (1e-2, 1e-2)}  # (atol, rtol)
 
@@ -69,6 +70,23 @@ def test_pallas_random_ragged_batches(seed):
                                dtype="float32", block_size=block_size)
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = ragged_paged_attention(q, k, v, LAYER, md, interpret=True)
+    assert_close(got, want, t, "float32")
+
+
+@pytest.mark.parametrize("block_q", [4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_xla_backend_matches_reference(seed, block_q):
+    """Rows [0, S) per row, the rest per query tile: MIXED has a sequence straddling row S, and
+    the random batches put long prompt chunks past it."""
+    rng = np.random.default_rng(200 + seed)
+    seqs = MIXED if seed == 0 else [
+        (ql, ql + int(rng.integers(0, 70))) for ql in rng.integers(1, 66, int(rng.integers(1, 7)))]
+    q, k, v, md, t = make_case(seed, seqs, kv_heads=int(rng.choice([1, 2])), groups=3,
+                               dtype="float32", block_size=int(rng.choice([8, 16])))
+    assert t > md.context_lens.shape[0]  # the tiled path runs
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    got = jax.jit(lambda q, k, v, md: ragged_paged_attention_xla(
+        q, k, v, LAYER, md, block_q=block_q, min_rows_per_seq=1))(q, k, v, md)
     assert_close(got, want, t, "float32")
 
 

@@ -80,6 +80,23 @@ def test_streamed_chat_completion(client):
     assert full.choices[0].message.content == text
 
 
+def test_stream_options_include_usage(client):
+    """The last chunk has no choices and carries the usage; the text chunks carry none."""
+    kw = dict(model="smollm2", max_tokens=8, temperature=0, stream=True,
+              stream_options={"include_usage": True})
+    chunks = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Say hello."}], **kw))
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    usage = chunks[-1].usage
+    assert 0 < usage.completion_tokens <= 8 and usage.total_tokens == (
+        usage.prompt_tokens + usage.completion_tokens)
+    chunks = list(client.completions.create(prompt="The capital of France is", **kw))
+    assert chunks[-1].usage.completion_tokens == 8  # plain completion: runs to max_tokens
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(model="smollm2", prompt="x", max_tokens=2,
+                                  stream_options={"include_usage": "yes"})
+
+
 def test_errors_have_openai_shape(server, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
