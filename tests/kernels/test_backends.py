@@ -10,10 +10,10 @@ from kernels import select_attention
 from tests.helpers import run_all
 
 
-def test_auto_is_reference_on_cpu():
+def test_auto_is_xla_on_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("this checks the CPU choice")
-    assert select_attention("auto")[0] == "reference"
+    assert select_attention("auto")[0] == "xla"
 
 
 def test_unavailable_backend_fails_at_engine_start(tiny_llama_dir):
@@ -24,9 +24,10 @@ def test_unavailable_backend_fails_at_engine_start(tiny_llama_dir):
                                max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128))
 
 
-def test_engine_output_identical_reference_vs_pallas(tiny_llama_dir):
+def test_engine_output_identical_across_cpu_backends(tiny_llama_dir):
+    # 32 token rows for 4 sequences: the xla backend's query tiles run in the prefill steps
     outs = {}
-    for backend in ("reference", "pallas"):
+    for backend in ("reference", "pallas", "xla"):
         engine = LLMEngine(EngineConfig(model=tiny_llama_dir, attention_backend=backend,
                                         max_num_seqs=4, max_num_batched_tokens=32,
                                         max_model_len=128, num_kv_blocks=32,
@@ -39,4 +40,4 @@ def test_engine_output_identical_reference_vs_pallas(tiny_llama_dir):
                                params=SamplingParams(temperature=0, max_tokens=12,
                                                      ignore_eos=True))
         outs[backend] = {k: v.outputs[0].token_ids for k, v in run_all(engine).items()}
-    assert outs["pallas"] == outs["reference"]
+    assert outs["pallas"] == outs["reference"] == outs["xla"]
