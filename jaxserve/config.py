@@ -68,10 +68,12 @@ class EngineConfig:
         None, "padded blocks-per-sequence widths to compile (default: powers of two from 4 "
               "up to the blocks of max_model_len)")
     strict_compile: bool = option(False, "raise if any program compiles after warmup()")
-    async_scheduling: bool = option(
-        True, "overlap host and device: schedule and launch step N+1 before step N's tokens "
+    async_scheduling: bool | None = option(
+        None, "overlap host and device: schedule and launch step N+1 before step N's tokens "
               "are read back (decode inputs come from the device-side tokens), so the host's "
-              "work hides under the device's step; the tokens are the same either way")
+              "work hides under the device's step; the tokens are the same either way "
+              "(default: on with an accelerator, off on a CPU, where host and device share "
+              "the same cores and overlapping them was measured slower)")
     compilation_cache_dir: str | None = option(
         None, "persistent XLA compilation cache, so a second start loads its programs "
               "(default: $JAXSERVE_CACHE_DIR/xla or ~/.cache/jaxserve/xla; '' turns it off)")

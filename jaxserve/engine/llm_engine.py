@@ -3,7 +3,8 @@
 `step()` is schedule -> (swap) -> launch the compiled forward -> postprocess (engine/postprocess.py:
 append the sampled tokens, detokenize, apply the stop rules, return finished requests' KV blocks
 to the pool at once) -> one RequestOutput per request that produced something. With asynchronous
-scheduling (the default) the postprocess of step N runs after step N+1 is launched.
+scheduling (the default with an accelerator) the postprocess of step N runs after step N+1 is
+launched.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.step_trace: list[StepRecord] | None = [] if config.enable_step_trace else None
         self._in_flight: _Launched | None = None
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else jax.default_backend() != "cpu")
 
     # ------------------------------------------------------------------------------ requests
 
@@ -203,7 +206,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch the next step; return the outputs of the step that completed.
 
-        Synchronous: the step launched is the step completed. Asynchronous (the default): the
+        Synchronous: the step launched is the step completed. Asynchronous (the default with
+        an accelerator): the
         next step is scheduled and launched first, its decode rows reading the tokens of the
         step still in flight on the device; then that earlier step's tokens are read back and
         postprocessed while the new one runs. Sequences that stop in the earlier step waste
@@ -215,7 +219,7 @@ class LLMEngine:
         if self._in_flight is not None:
             outputs += self._complete(self._in_flight)
         self._in_flight = launched
-        if launched is not None and not self.config.async_scheduling:
+        if launched is not None and not self.async_scheduling:
             self._in_flight = None
             outputs += self._complete(launched)
         return outputs

@@ -46,11 +46,13 @@ def run_staggered(engine: LLMEngine, prompt_ids: list[list[int]], params: Sampli
 
 
 @pytest.mark.slow
-def test_smollm_matches_hf_greedy(smollm, hf_smollm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_smollm_matches_hf_greedy(smollm, hf_smollm, async_scheduling):
     tok = smollm.tokenizer
     ids = [tok(p).input_ids for p in PROMPTS]
     engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                                    num_kv_blocks=128), loaded=smollm)
+                                    num_kv_blocks=128, async_scheduling=async_scheduling),
+                       loaded=smollm)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     # Arrivals at different steps, with a 64-token budget so prefills chunk and mix with decodes.
     got = run_staggered(engine, ids, params, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
