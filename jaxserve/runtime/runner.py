@@ -8,10 +8,12 @@ test can prove nothing compiles after warmup (`strict_compile` turns that into a
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import logging
+import os
 import time
 
 import jax
@@ -118,23 +120,34 @@ class ModelRunner:
         tok, seq, blk = self.buckets
         return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
 
+    def _lower(self, bucket: tuple[int, int, int]) -> jax.stages.Lowered:
+        dummy = dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
+        return self._jitted.lower(self.params, self.kv, self._last_tokens, dummy)
+
     def _compile(self, bucket: tuple[int, int, int]) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
             raise RecompileError(f"bucket {bucket} was not compiled at warmup")
-        dummy = dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
         t0 = time.perf_counter()
-        exe = self._jitted.lower(self.params, self.kv, self._last_tokens, dummy).compile()
+        exe = self._lower(bucket).compile()
         self.compile_seconds += time.perf_counter() - t0
         self.num_compiles += 1
         self._executables[bucket] = exe
         return exe
 
     def warmup(self) -> float:
-        """Compile every bucket; returns seconds spent."""
+        """Compile every bucket; returns seconds spent.
+
+        Tracing and lowering run one by one (they hold the GIL); XLA's compiles, or loads from
+        the compilation cache, run on a thread per core, since each mostly uses one."""
         t0 = time.perf_counter()
-        for bucket in self.all_buckets():
-            if bucket not in self._executables:
-                self._compile(bucket)
+        todo = [b for b in self.all_buckets() if b not in self._executables]
+        lowered = [self._lower(b) for b in todo]
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            for bucket, exe in zip(todo, pool.map(lambda low: low.compile(), lowered),
+                                   strict=True):
+                self._executables[bucket] = exe
+        self.num_compiles += len(todo)
+        self.compile_seconds += time.perf_counter() - t0
         if self.host_pool is not None:
             self.kv = self.host_pool.warmup(self.kv)
         self.is_warm = True
