@@ -36,22 +36,57 @@ class SamplerOutput:
     top_logprobs: jax.Array  # (S, K, max_logprobs) float32
 
 
+_CANDIDATES = 256  # top-k/top-p cut from the best this many tokens when they hold it
+
+
+def _threshold(desc: jax.Array, k: jax.Array, log_norm: jax.Array, top_p: jax.Array):
+    """desc (S, W) values sorted descending, k (S,) top-k (V: off), log_norm (S, 1) the log of
+    the normalizer -> (threshold (S, 1), probs (S, W)): the smallest value that top-k and top-p
+    keep. top-p keeps the smallest prefix whose mass reaches top_p: token i stays if the mass
+    before it is still below top_p (so the first token always stays)."""
+    w = desc.shape[-1]
+    kth = jnp.take_along_axis(desc, jnp.minimum(k - 1, w - 1)[:, None], axis=-1)
+    desc = jnp.where(jnp.arange(w)[None, :] < k[:, None], desc, -jnp.inf)
+    probs = jnp.exp(desc - log_norm)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p[:, None]
+    p_min = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.maximum(kth, p_min), probs
+
+
 def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S, V) -> (S, V)
-    """Temperature-scaled logits with everything outside top-k and top-p set to -inf."""
+    """Temperature-scaled logits with everything outside top-k and top-p set to -inf.
+
+    The cut is found among the best `_CANDIDATES` tokens (`lax.top_k`) when, for every row, it
+    provably lies there: top-k within them, or their mass already reaching top_p. Otherwise
+    the whole vocabulary is sorted, which on a CPU costs ~0.6 s at 64 rows of 49k tokens."""
     v = logits.shape[-1]
     scaled = logits / jnp.maximum(si.temperature, 1e-6)[:, None]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # (S, V)
     k = jnp.where(si.top_k > 0, jnp.minimum(si.top_k, v), v)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # (S, 1)
-    ranks = jnp.arange(v)[None, :]
-    sorted_desc = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p: token i stays if the mass before it is
-    # still below top_p (so the first token always stays).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < si.top_p[:, None]
-    p_min = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    threshold = jnp.maximum(kth, p_min)
+    c = min(v, _CANDIDATES)
+
+    def from_candidates():
+        cand, _ = jax.lax.top_k(scaled, c)  # (S, C), descending
+        in_cand = (si.top_k > 0) & (si.top_k <= c)
+        top_k_norm = jax.nn.logsumexp(jnp.where(jnp.arange(c)[None, :] < k[:, None], cand,
+                                                -jnp.inf), axis=-1)
+        log_norm = jnp.where(in_cand, top_k_norm, jax.nn.logsumexp(scaled, axis=-1))
+        threshold, probs = _threshold(cand, k, log_norm[:, None], si.top_p)
+        no_filter = (si.top_k == 0) & (si.top_p >= 1)
+        # With top-k off, the next token after the candidates has all their mass before it,
+        # so once that mass reaches top_p the kept prefix ends among them.
+        ok = ((si.temperature <= 0) | no_filter | in_cand
+              | ((si.top_k == 0) & (jnp.sum(probs, axis=-1) >= si.top_p)))
+        return jnp.where(no_filter[:, None], -jnp.inf, threshold), jnp.all(ok)
+
+    def from_sort():
+        desc = -jnp.sort(-scaled, axis=-1)  # (S, V)
+        masked = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
+        return _threshold(desc, k, jax.nn.logsumexp(masked, axis=-1, keepdims=True),
+                          si.top_p)[0]
+
+    threshold, ok = from_candidates()
+    threshold = jax.lax.cond(ok, lambda: threshold, from_sort)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxserve.runtime.sampling import SamplingInputs, sample
+from jaxserve.runtime.sampling import SamplingInputs, _filtered_logits, sample
 
 
 def inputs(s, temperature=0.0, top_p=1.0, top_k=0, seeds=None, steps=None, samples=None,
@@ -59,3 +62,33 @@ def test_a_seeded_row_draws_the_same_token_whatever_its_row():
 def test_sample_compiles_under_jit():
     out = jax.jit(sample, static_argnums=2)(LOGITS, inputs(2), 2)
     np.testing.assert_array_equal(out.tokens[:, 0], [1, 3])
+
+
+def _kept_numpy(logits, temperature, top_p, top_k):
+    """The token set top-k then top-p keep, by a full sort in numpy (the definition)."""
+    x = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-x, kind="stable")
+    k = top_k if top_k > 0 else len(x)
+    top = order[:k]
+    p = np.exp(x[top] - x[top].max())
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    return set(top[before < top_p].tolist())
+
+
+@pytest.mark.parametrize("flat_row", [False, True])
+def test_top_p_top_k_cut_equals_a_full_sort(flat_row):
+    """1,000 tokens: the cut comes from the best 256 when they hold it; a flat row with
+    top_p = 0.95 does not (its 256 best hold ~30% of the mass) and the whole vocabulary is
+    sorted. Either way the kept sets are the definition's."""
+    rng = np.random.default_rng(4)
+    peaked = rng.standard_normal((3, 1000)) * 4.0
+    rows = [peaked[0], peaked[1], rng.standard_normal(1000) * 0.1 if flat_row else peaked[2]]
+    logits = jnp.asarray(np.stack(rows), jnp.float32)
+    si = inputs(3, temperature=0.7)
+    si = dataclasses.replace(si, top_p=jnp.asarray([0.9, 1.0, 0.95], jnp.float32),
+                             top_k=jnp.asarray([0, 5, 0], jnp.int32))
+    got = np.isfinite(np.asarray(_filtered_logits(logits, si)))
+    for i, (tp, tk) in enumerate([(0.9, 0), (1.0, 5), (0.95, 0)]):
+        assert set(np.flatnonzero(got[i]).tolist()) == _kept_numpy(rows[i], 0.7, tp, tk), i
+    assert got[2].sum() > 256 if flat_row else got[2].sum() < 256
