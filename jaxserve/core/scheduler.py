@@ -159,8 +159,7 @@ class Scheduler:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
-            if seq.num_pending and (seq.num_sampled >= seq.params.max_tokens
-                                    or seq.num_tokens >= cfg.max_model_len):
+            if seq.num_pending and seq.reaches_length(seq.num_sampled, cfg.max_model_len):
                 continue  # its last token is on the way (asynchronous scheduling): done then
             start = seq.num_computed_tokens
             if start >= len(seq.block_table) * block_size:

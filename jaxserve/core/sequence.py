@@ -91,6 +91,12 @@ class Sequence:
         """Generated tokens on the host (pending ones not counted)."""
         return len(self.output_token_ids)
 
+    def reaches_length(self, num_output: int, max_model_len: int) -> bool:
+        """With `num_output` generated tokens, has the sequence hit max_tokens or
+        max_model_len? (The scheduler counts pending tokens, the postprocess does not.)"""
+        return (num_output >= self.params.max_tokens
+                or len(self.prompt_token_ids) + num_output >= max_model_len)
+
     @property
     def num_sampled(self) -> int:
         """Tokens generated or being generated: the index of the next draw in its RNG stream."""

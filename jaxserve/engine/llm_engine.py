@@ -207,11 +207,11 @@ class LLMEngine:
         """Schedule and launch the next step; return the outputs of the step that completed.
 
         Synchronous: the step launched is the step completed. Asynchronous (the default with
-        an accelerator): the
-        next step is scheduled and launched first, its decode rows reading the tokens of the
-        step still in flight on the device; then that earlier step's tokens are read back and
-        postprocessed while the new one runs. Sequences that stop in the earlier step waste
-        their row of the new one; nothing else differs, and the tokens are the same."""
+        an accelerator): the next step is scheduled and launched first, its decode rows reading
+        the tokens of the step still in flight on the device; then that earlier step's tokens
+        are read back and postprocessed while the new one runs. Sequences that stop in the
+        earlier step waste their row of the new one; nothing else differs, and the tokens are
+        the same."""
         # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
         # "forward" and "sample" are also named scopes inside the compiled step.
         outputs, self._pending_outputs = self._pending_outputs, []

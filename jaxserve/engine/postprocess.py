@@ -105,9 +105,7 @@ class Postprocessor:
                 seq.text = seq.text[:idx]
                 reason = "stop"
         update.new_text += new_text
-        if reason is None and (seq.num_output_tokens >= p.max_tokens
-                               or seq.num_prompt_tokens + seq.num_output_tokens
-                               >= self.max_model_len):
+        if reason is None and seq.reaches_length(seq.num_output_tokens, self.max_model_len):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop_reason
