@@ -8,9 +8,35 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import Any
+
+INT32_MAX = 2**31 - 1
+MAX_TEMPERATURE = 1e4  # beyond it every token is equally likely in float32 anyway
+MAX_STOP_STRINGS = 16  # every step checks each one against the new text (OpenAI allows 4)
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:  # NaN and infinities are refused
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _clip(v) -> str:  # a refused value, quoted without echoing megabytes of it back
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def fold_seed(seed: int) -> int:
+    """A request seed in [0, 2^64) as the 32-bit seed the step arrays hold (identity below
+    2^32, so small seeds keep their streams)."""
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
 @dataclasses.dataclass(slots=True)
@@ -18,7 +44,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 (or -1) means no top-k cut
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context's end (max_model_len)
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -34,23 +60,33 @@ class SamplingParams:
             self.top_k = 0
 
     def validate(self, max_logprobs: int) -> None:
-        """Raise ValueError naming the first bad field."""
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+        """Raise ValueError naming the first bad field.
+
+        Every front (library, socket, HTTP) goes through here, so every value that reaches a
+        step array is known to fit it: int32 for top_k, a 64-bit seed folded to 32 bits."""
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be 0, -1 (off) or a positive int, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be 0, -1 (off) or a positive int below 2^31, "
+                             f"got {self.top_k!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens)
+                                            or not 1 <= self.max_tokens <= INT32_MAX):
+            raise ValueError(f"max_tokens must be an int in [1, 2^31), got {self.max_tokens!r}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at "
+                             f"most {MAX_STOP_CHARS} characters, got {_clip(self.stop)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+                not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative "
+                             f"ints, got {_clip(self.stop_token_ids)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int in [0, 2^64), got {self.seed!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= max_logprobs
         ):
             raise ValueError(
                 f"logprobs must be an int in [0, {max_logprobs}], got {self.logprobs!r}")

@@ -19,14 +19,14 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
-from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.sampling_params import SamplingParams, fold_seed
+from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
-from jaxserve.runtime.runner import ModelRunner
+from jaxserve.runtime.runner import ModelRunner, RecompileError
 from jaxserve.runtime.sampling import SamplerOutput
 from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
 from models.loader import LoadedModel, load_model
@@ -106,6 +106,9 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a request. A bad field raises ValueError naming it; nothing else is touched.
 
+        Given both, `prompt_token_ids` is what runs and `prompt` is the text it came from (a
+        front that tokenized the prompt already passes both).
+
         A full waiting queue raises QueueFullError."""
         try:
             self._add_request(request_id, prompt, params, prompt_token_ids, priority,
@@ -126,11 +129,18 @@ class LLMEngine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         ids = self._prompt_ids(prompt, prompt_token_ids)
+        if params.max_tokens is None:  # the rest of the context, as far as the pool holds it
+            room = min(self.config.max_model_len,
+                       self.block_manager.num_blocks * self.config.block_size) - len(ids)
+            if room < 1:
+                raise ValueError(f"prompt has {len(ids)} tokens: no room left for max_tokens "
+                                 f"in max_model_len ({self.config.max_model_len})")
+            params = dataclasses.replace(params, max_tokens=room)
         self._check_fits(len(ids), params)
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"waiting queue is full (max_waiting_requests={limit})")
-        seed = params.seed if params.seed is not None else (
+        seed = fold_seed(params.seed) if params.seed is not None else (
             (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
         seq = Sequence(request_id, ids, params, self._arrivals, seed, priority, arrival_time)
         if self.tokenizer is not None:
@@ -141,11 +151,11 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if prompt is None and prompt_token_ids is None:
+            raise ValueError("give prompt or prompt_token_ids")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if prompt_token_ids is None:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
@@ -182,14 +192,36 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort in any state; its blocks return at once. The next step() reports it."""
+        return self._end(request_id, "abort")
+
+    def fail(self, request_id: str, error: str) -> bool:
+        """Fail one request: something inside the engine went wrong for it alone. It finishes
+        with finish_reason "error" (the message in `metrics.error`), its blocks return at
+        once, the next step() reports it, and every other request goes on."""
+        logger.error("request %s failed: %s", request_id, error)
+        return self._end(request_id, "error", error)
+
+    def _end(self, request_id: str, reason: str, error: str | None = None) -> bool:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
         seq.metrics.finished_time = time.perf_counter()
-        self.scheduler.finish(seq, "abort")
+        seq.metrics.error = error
+        self.scheduler.finish(seq, reason)
         self.metrics.record_finished(seq)
         self._pending_outputs.append(self._output(SeqUpdate(seq, [], "", True)))
         return True
+
+    def fail_all(self, error: str) -> int:
+        """Fail every unfinished request (a failure that cannot be pinned on one of them);
+        the engine is then empty and ready for new requests."""
+        self._in_flight = None
+        return sum(self.fail(r, error) for r in list(self.requests))
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """The outputs of aborts and failures not yet reported by a step()."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None
@@ -214,7 +246,7 @@ class LLMEngine:
         the same."""
         # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
         # "forward" and "sample" are also named scopes inside the compiled step.
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs = self.take_pending_outputs()
         launched = self._launch()
         if self._in_flight is not None:
             outputs += self._complete(self._in_flight)
@@ -236,18 +268,50 @@ class LLMEngine:
             return None
         with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
             prev = self._in_flight
-            inp = build_step_inputs(sched.scheduled, self.runner.buckets, self.config.block_size,
-                                    self.runner.num_blocks, prev.rows if prev else None)
+            try:
+                inp = build_step_inputs(sched.scheduled, self.runner.buckets,
+                                        self.config.block_size, self.runner.num_blocks,
+                                        prev.rows if prev else None)
+            except Exception as e:  # noqa: BLE001 - find whose values broke the step
+                self._fail_culprits(sched.scheduled, e)
+                return None  # nothing was computed: the others are scheduled again next step
         with jax.profiler.TraceAnnotation("jaxserve.launch"):
-            out = self.runner.dispatch(inp)
+            try:
+                out = self.runner.dispatch(inp)
+            except RecompileError:  # strict_compile: a configuration error, the caller's to see
+                raise
+            except Exception as e:  # noqa: BLE001 - the device step failed for all of its rows
+                self._fail_seqs(sched.scheduled, e)
+                return None
             self.postprocessor.launched(sched.scheduled)
         rows = {s.seq.request_id: i for i, s in enumerate(sched.scheduled) if s.samples}
         return _Launched(sched, inp, out, rows, t0)
 
+    def _fail_culprits(self, scheduled: list[ScheduledSeq], error: Exception) -> None:
+        """Building a step's inputs raised: fail the sequences whose rows fail on their own
+        (a value that does not fit a step array), or all of them if none does."""
+        culprits = []
+        for s in scheduled:
+            try:
+                build_step_inputs([s], self.runner.buckets, self.config.block_size,
+                                  self.runner.num_blocks, {s.seq.request_id: 0})
+            except Exception as e:  # noqa: BLE001
+                culprits.append((s, e))
+        for s, e in culprits or [(s, error) for s in scheduled]:
+            self.fail(s.seq.request_id, f"preparing its step failed: {type(e).__name__}: {e}")
+
+    def _fail_seqs(self, scheduled: list[ScheduledSeq], error: Exception) -> None:
+        for s in scheduled:
+            self.fail(s.seq.request_id, f"its step failed: {type(error).__name__}: {error}")
+
     def _complete(self, step: _Launched) -> list[RequestOutput]:
         want_lp = bool(step.inputs.sampling.want_logprobs)
         with jax.profiler.TraceAnnotation("jaxserve.wait_tokens"):
-            result = self.runner.fetch(step.output, want_lp)
+            try:
+                result = self.runner.fetch(step.output, want_lp)
+            except Exception as e:  # noqa: BLE001 - the device step failed for all of its rows
+                self._fail_seqs(step.sched.scheduled, e)
+                return []
         now = time.perf_counter()
         scheduled = step.sched.scheduled
         outputs = []
@@ -255,6 +319,9 @@ class LLMEngine:
             updates = self.postprocessor.resolve(scheduled, result.rows(len(scheduled)), now,
                                                  result.logprob_entry if want_lp else None)
             for u in updates:
+                if u.error is not None:
+                    self.fail(u.seq.request_id, f"postprocessing its tokens failed: {u.error}")
+                    continue
                 if u.finished:
                     self.metrics.record_finished(u.seq)
                     self.requests.pop(u.seq.request_id, None)

@@ -31,6 +31,7 @@ class SeqUpdate:
     new_token_ids: list[int]
     new_text: str
     finished: bool
+    error: str | None = None  # this sequence's own postprocess raised: the engine fails it
 
 
 class Postprocessor:
@@ -67,12 +68,15 @@ class Postprocessor:
             if not row or seq.is_finished:
                 continue
             update = SeqUpdate(seq, [], "", False)
-            for j, token in enumerate(row):
-                entry = (logprobs(i, j, seq.params.logprobs)
-                         if logprobs is not None and seq.logprobs is not None else None)
-                self._append(seq, int(token), now, entry, update)
-                if update.finished:
-                    break  # tokens after a stop are dropped
+            try:
+                for j, token in enumerate(row):
+                    entry = (logprobs(i, j, seq.params.logprobs)
+                             if logprobs is not None and seq.logprobs is not None else None)
+                    self._append(seq, int(token), now, entry, update)
+                    if update.finished:
+                        break  # tokens after a stop are dropped
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                update.error = f"{type(e).__name__}: {e}"
             updates.append(update)
         return updates
 

@@ -42,3 +42,31 @@ def test_from_dict_names_the_bad_field(raw, field):
 def test_from_dict_can_ignore_other_keys():
     p = SamplingParams.from_dict({"model": "m", "max_tokens": 3}, allow_unknown=True)
     assert p.max_tokens == 3
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.5),
+    ("temperature", 1e5), ("top_p", float("nan")), ("top_p", 0.0), ("top_p", float("inf")),
+    ("top_k", 2**31), ("top_k", -2), ("max_tokens", 0), ("max_tokens", 2**31),
+    ("seed", 2**64), ("seed", -1), ("logprobs", 21), ("stop", ["x"] * 17), ("stop", ["x" * 257]),
+    ("stop_token_ids", [2**31]), ("stop_token_ids", [-1]), ("stop_token_ids", list(range(1025))),
+])
+def test_validate_refuses_out_of_range_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value}).validate(max_logprobs=20)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 0), ("temperature", 1e4), ("top_k", 2**31 - 1), ("max_tokens", None),
+    ("seed", 2**64 - 1), ("stop", ["x"] * 16), ("stop_token_ids", [0, 2**31 - 1]),
+])
+def test_validate_accepts_the_edges(field, value):
+    SamplingParams(**{field: value}).validate(max_logprobs=20)
+
+
+def test_fold_seed_keeps_32_bit_seeds_and_fits_the_rest():
+    from jaxserve.core.sampling_params import fold_seed
+
+    assert [fold_seed(s) for s in (0, 7, 2**32 - 1)] == [0, 7, 2**32 - 1]
+    assert all(0 <= fold_seed(s) < 2**32 for s in (2**32, 2**63 + 5, 2**64 - 1))
+    assert fold_seed(2**32) != fold_seed(0)
