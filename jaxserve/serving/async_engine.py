@@ -25,26 +25,40 @@ from jaxserve.engine.llm_engine import LLMEngine
 logger = logging.getLogger(__name__)
 
 
+class StreamOverflow(Exception):
+    """The request's client did not take its outputs fast enough; the request was aborted."""
+
+
+_OVERFLOW = object()  # the last item of an overflowed stream
+
+
 class RequestStream:
-    """The outputs of one request, consumed on the asyncio loop that created it."""
+    """The outputs of one request, consumed on the asyncio loop that created it.
+
+    At most `maxsize` outputs wait for the consumer; one more aborts the request (through
+    `on_overflow`) and ends the stream: the consumer's next read raises StreamOverflow, so a
+    consumer never waits for a final output that will not come."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, maxsize: int):
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue(maxsize)
+        self.maxsize = maxsize
+        self.queue: asyncio.Queue = asyncio.Queue()  # bounded by maxsize in _put
         self.overflowed = False
         self.finished = False
+        self.orphaned = False  # its client is gone; an abort is on its way to the engine
         self.on_overflow: Callable[[RequestStream], None] | None = None
 
     def _put(self, out: RequestOutput) -> None:  # runs on the stream's loop
         if self.overflowed:
             return
-        try:
-            self.queue.put_nowait(out)
-        except asyncio.QueueFull:
+        if self.queue.qsize() >= self.maxsize:
             self.overflowed = True
+            self.queue.put_nowait(_OVERFLOW)
             if self.on_overflow:
                 self.on_overflow(self)
+            return
+        self.queue.put_nowait(out)
 
     def __aiter__(self):
         return self
@@ -53,6 +67,10 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         out = await self.queue.get()
+        if out is _OVERFLOW:
+            self.finished = True
+            raise StreamOverflow(f"request {self.request_id}: more than {self.maxsize} outputs "
+                                 f"were waiting for the client")
         self.finished = out.finished
         return out
 
@@ -69,6 +87,7 @@ class AsyncEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self.error: BaseException | None = None
+        self.tokens_after_disconnect = 0  # generated for streams whose client had gone
 
     # --------------------------------------------------------------------------- asyncio side
 
@@ -136,6 +155,9 @@ class AsyncEngine:
                     fut.set_exception(e)
 
     def _run(self) -> None:
+        """Step while there is work. Nothing a request does ends this loop: the engine fails a
+        request whose own values or tokens break a step; anything else that escapes a step
+        fails the requests in flight, and the loop goes on serving new ones."""
         try:
             while not self._stop:
                 self._apply_commands()
@@ -143,15 +165,28 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                outputs = self.engine.step()
-                for out in outputs:
-                    stream = (self._streams.pop(out.request_id, None) if out.finished
-                              else self._streams.get(out.request_id))
-                    if stream is not None:
-                        stream.loop.call_soon_threadsafe(stream._put, out)
-                if self.on_step is not None:
-                    self.on_step(self.engine, outputs)
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
+                    outputs = self.engine.take_pending_outputs()
+                self._deliver(outputs)
         except BaseException as e:  # the server reports a dead loop through health checks
             self.error = e
             logger.exception("engine loop died")
             raise
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = (self._streams.pop(out.request_id, None) if out.finished
+                      else self._streams.get(out.request_id))
+            if stream is not None:
+                if stream.orphaned:
+                    self.tokens_after_disconnect += len(out.outputs[0].new_token_ids)
+                stream.loop.call_soon_threadsafe(stream._put, out)
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, outputs)
+            except Exception:  # noqa: BLE001 - a metrics hook must not stop serving
+                logger.exception("step hook failed")

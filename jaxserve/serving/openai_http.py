@@ -17,6 +17,8 @@ from aiohttp import web
 
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm_engine import QueueFullError
+from jaxserve.serving.async_engine import StreamOverflow
+from jaxserve.serving.server import LimitError
 
 
 class ApiError(Exception):
@@ -26,10 +28,12 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind, self.code = (status, message, param,
                                                                        kind, code)
 
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
-        return web.json_response(body, status=self.status)
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
 
 
 def build_app(server) -> web.Application:
@@ -51,7 +55,8 @@ class _Api:
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/"):
+            if request.path.startswith("/v1/") or (request.path == "/metrics"
+                                                    and not self.server.config.public_metrics):
                 auth = request.headers.get("Authorization", "")
                 key = auth[7:] if auth.startswith("Bearer ") else None
                 if not self.server.authorized(key):
@@ -75,8 +80,8 @@ class _Api:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = json.loads(await request.read())
+        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nested too deep
             raise ApiError(400, "request body must be JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
@@ -91,14 +96,20 @@ class _Api:
 
     def _params(self, body: dict, default_max_tokens: int | None) -> SamplingParams:
         """SamplingParams from the body: its fields under their own names, plus OpenAI's
-        spellings (max_completion_tokens; chat's logprobs: true with top_logprobs: k)."""
+        spellings (max_completion_tokens; chat's logprobs: true with top_logprobs: k).
+        `default_max_tokens` None: up to the end of the context, as OpenAI's chat API does."""
         raw = {k: body[k] for k in param_names() if k in body}
-        if raw.get("max_tokens") is None:
-            raw["max_tokens"] = body.get("max_completion_tokens", default_max_tokens)
+        if raw.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+            raw["max_tokens"] = body["max_completion_tokens"]
+        top = body.get("top_logprobs")
         if isinstance(raw.get("logprobs"), bool):
-            raw["logprobs"] = (body.get("top_logprobs") or 0) if raw["logprobs"] else None
+            if top is not None and not raw["logprobs"]:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            raw["logprobs"] = (0 if top is None else top) if raw["logprobs"] else None
         try:
             params = SamplingParams.from_dict(raw)
+            if "max_tokens" not in raw or raw["max_tokens"] is None:
+                params.max_tokens = default_max_tokens
             params.validate(self.server.engine.config.max_logprobs)
         except ValueError as e:
             raise ApiError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
@@ -107,9 +118,10 @@ class _Api:
     async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str):
         if self.server.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
-        problem = self.server.check_limits(prompt, prompt_ids, params.max_tokens)
-        if problem:
-            raise ApiError(400, problem, param="prompt" if "prompt" in problem else "max_tokens")
+        try:
+            prompt_ids = await self.server.prompt_ids(prompt, prompt_ids, params.max_tokens)
+        except LimitError as e:
+            raise ApiError(400, str(e), param=e.param) from None
         engine_id = self.server.new_engine_id(prefix)
         try:
             stream = await self.server.submit(engine_id, prompt, prompt_ids, params)
@@ -121,13 +133,17 @@ class _Api:
         return engine_id, stream
 
     async def _collect(self, request: web.Request, engine_id: str, stream):
+        """The final output. A client that disconnects cancels this handler (the runner's
+        handler_cancellation), and the request is aborted at once."""
         try:
             async for out in stream:
                 if out.finished:
+                    if out.outputs[0].finish_reason == "error":
+                        raise ApiError(500, f"the request failed in the engine: "
+                                            f"{out.metrics.error}", kind="server_error")
                     return out
         finally:
-            if not stream.finished:  # client went away
-                self.server.async_engine.abort(engine_id)
+            self.server.client_left(engine_id, stream)  # a no-op once it finished
 
     @staticmethod
     def _include_usage(body: dict) -> bool:
@@ -146,27 +162,43 @@ class _Api:
     async def _sse(self, request: web.Request, engine_id: str, stream, make_chunk, first=None,
                    usage_base: dict | None = None):
         """Stream chunks; with `usage_base` (stream_options.include_usage) a last chunk with no
-        choices carries the usage, as OpenAI's API does."""
+        choices carries the usage, as OpenAI's API does. A request that fails in the engine
+        ends with an error event. A client that stops reading is cut off (serving/flow.py),
+        one that disconnects cancels this handler; either way the request is aborted."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        transport = request.transport
+        watched = self.server.stall_watch.watch(transport, transport.abort)
+        stream.on_overflow = lambda s: transport.abort()
+
+        async def send(data: bytes) -> None:
+            watched.written += len(data)
+            await resp.write(data)
+
         try:
             if first is not None:
-                await resp.write(_event(first))
+                await send(_event(first))
             last = None
             async for out in stream:
                 last = out
+                if out.finished and out.outputs[0].finish_reason == "error":
+                    await send(_event(ApiError(500, f"the request failed in the engine: "
+                                                    f"{out.metrics.error}",
+                                               kind="server_error").body()))
+                    break
                 chunk = make_chunk(out)
                 if chunk is not None:
-                    await resp.write(_event(chunk))
-            if usage_base is not None and last is not None:
-                await resp.write(_event(usage_base | {"choices": [], "usage": _usage(last)}))
-            await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionError, RuntimeError):
-            self.server.async_engine.abort(engine_id)
+                    await send(_event(chunk))
+            else:
+                if usage_base is not None and last is not None:
+                    await send(_event(usage_base | {"choices": [], "usage": _usage(last)}))
+            await send(b"data: [DONE]\n\n")
+        except (ConnectionError, RuntimeError, StreamOverflow):
+            pass
         finally:
-            if not stream.finished:
-                self.server.async_engine.abort(engine_id)
+            self.server.stall_watch.unwatch(watched)
+            self.server.client_left(engine_id, stream)  # a no-op once it finished
         return resp
 
     # ------------------------------------------------------------------------------ routes
@@ -195,11 +227,12 @@ class _Api:
         if body.get("stream"):
             def chunk(out):
                 comp = out.outputs[0]
-                if not comp.new_text and not out.finished:
+                lp = self._completion_logprobs(comp, new_only=True)
+                if not comp.new_text and not out.finished and lp is None:
                     return None
                 return {"id": rid, "object": "text_completion", "created": created,
                         "model": model, "choices": [{"index": 0, "text": comp.new_text,
-                                                     "logprobs": None,
+                                                     "logprobs": lp,
                                                      "finish_reason": comp.finish_reason}]}
             usage = ({"id": rid, "object": "text_completion", "created": created,
                       "model": model} if include_usage else None)
@@ -208,7 +241,8 @@ class _Api:
         comp = out.outputs[0]
         return web.json_response({
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": comp.text, "logprobs": _logprobs(comp),
+            "choices": [{"index": 0, "text": comp.text,
+                         "logprobs": self._completion_logprobs(comp),
                          "finish_reason": comp.finish_reason}],
             "usage": _usage(out)})
 
@@ -223,9 +257,15 @@ class _Api:
         tok = self.server.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model has no chat template", param="messages")
-        prompt = tok.apply_chat_template([{"role": m["role"], "content": m["content"]}
-                                          for m in messages], tokenize=False,
-                                         add_generation_prompt=True)
+        chars = sum(len(m["content"]) for m in messages)
+        limit = self.server.max_prompt_chars
+        if chars > limit:
+            raise ApiError(400, f"messages hold {chars} characters, more than the prompt limit's "
+                                f"tokens can hold ({limit})", param="messages")
+        prompt = await self.server.off_loop(
+            tok.apply_chat_template, [{"role": m["role"], "content": m["content"]}
+                                      for m in messages], tokenize=False,
+            add_generation_prompt=True)
         params = self._params(body, None)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat")
@@ -240,10 +280,11 @@ class _Api:
 
             def chunk(out):
                 comp = out.outputs[0]
-                if not comp.new_text and not out.finished:
+                lp = self._chat_logprobs(comp, new_only=True)
+                if not comp.new_text and not out.finished and lp is None:
                     return None
                 delta = {"content": comp.new_text} if comp.new_text else {}
-                return base | {"choices": [{"index": 0, "delta": delta,
+                return base | {"choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                             "finish_reason": comp.finish_reason}]}
             return await self._sse(request, engine_id, stream, chunk, first,
                                    base if include_usage else None)
@@ -252,8 +293,39 @@ class _Api:
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
-                         "logprobs": None, "finish_reason": comp.finish_reason}],
+                         "logprobs": self._chat_logprobs(comp),
+                         "finish_reason": comp.finish_reason}],
             "usage": _usage(out)})
+
+    def _token_text(self, token_id: int) -> str:
+        tok = self.server.engine.tokenizer
+        return tok.decode([token_id]) if tok is not None else str(token_id)
+
+    def _completion_logprobs(self, comp, new_only: bool = False) -> dict | None:
+        """OpenAI completions' shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        pairs = _entries(comp, new_only)
+        if pairs is None:
+            return None
+        tokens = [self._token_text(t) for t, _ in pairs]
+        start = len(comp.text) - len(comp.new_text) if new_only else 0
+        offsets = [start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for _, e in pairs],
+                "top_logprobs": [{self._token_text(k): v for k, v in e["top"].items()}
+                                 for _, e in pairs],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, comp, new_only: bool = False) -> dict | None:
+        """OpenAI chat's shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        pairs = _entries(comp, new_only)
+        if pairs is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [item(t, e["logprob"]) | {"top_logprobs": [
+            item(k, v) for k, v in e["top"].items()]} for t, e in pairs]}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -266,6 +338,7 @@ class _Api:
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text. Behind the API key when one is set, unless `public_metrics`."""
         return web.Response(body=self.server.exporter.render(),
                             content_type="text/plain", charset="utf-8")
 
@@ -279,8 +352,14 @@ def _usage(out) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _logprobs(comp) -> dict | None:
+def _entries(comp, new_only: bool) -> list[tuple[int, dict]] | None:
+    """(token id, {"logprob", "top"}) for the completion's tokens (or this step's only)."""
     if comp.logprobs is None:
         return None
-    return {"token_logprobs": [e["logprob"] for e in comp.logprobs],
-            "top_logprobs": [{str(k): v for k, v in e["top"].items()} for e in comp.logprobs]}
+    ids, entries = comp.token_ids, comp.logprobs
+    if new_only:
+        n = len(comp.new_token_ids)
+        ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]
+        if not n:
+            return None
+    return list(zip(ids, entries, strict=True))

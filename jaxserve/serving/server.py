@@ -9,7 +9,9 @@ error frame (or its connection, when the byte stream itself is broken).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import hmac
 import itertools
 import logging
@@ -19,7 +21,8 @@ from typing import Any
 from jaxserve.config import option
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.llm_engine import LLMEngine, QueueFullError
-from jaxserve.serving.async_engine import AsyncEngine, RequestStream
+from jaxserve.serving.async_engine import AsyncEngine, RequestStream, StreamOverflow
+from jaxserve.serving.flow import StallWatch, Watched, configure_transport
 from jaxserve.serving.prometheus import PrometheusExporter
 from jaxserve.serving.protocol import (
     CLIENT_TYPES,
@@ -48,14 +51,51 @@ class ServerConfig:
                                                     "hold")
     max_queue_per_request: int = option(256, "outputs buffered for a client that does not "
                                              "read before its request is aborted")
+    write_stall_timeout_s: float = option(10.0, "a client whose unread output stops moving "
+                                                "this long is cut off (see serving/flow.py)")
     shutdown_timeout_s: float = option(10.0, "on SIGINT/SIGTERM, how long in-flight requests "
                                              "may finish before they are aborted")
+    public_metrics: bool = option(False, "serve GET /metrics without the API key (it needs "
+                                         "the key when --api-key is set)")
     model_name: str = option("jaxserve", "the model id /v1/models reports and requests name")
 
     def __post_init__(self):
-        for name in ("max_frame_bytes", "max_concurrent_per_connection", "max_queue_per_request"):
+        for name in ("max_frame_bytes", "max_concurrent_per_connection", "max_queue_per_request",
+                     "write_stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class LimitError(ValueError):
+    """A request over one of the server's limits; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class _Protocol(asyncio.StreamReaderProtocol):
+    """Reports the client's end of stream the moment it arrives, before the frames sent ahead
+    of it are read: requests a client pipelined and then left are never started."""
+
+    def __init__(self, reader: asyncio.StreamReader, connected):
+        super().__init__(reader, connected)
+        self.gone = False
+        self.on_gone = None
+
+    def _peer_gone(self) -> None:
+        if not self.gone:
+            self.gone = True
+            if self.on_gone is not None:
+                self.on_gone()
+
+    def eof_received(self):
+        self._peer_gone()
+        return super().eof_received()
+
+    def connection_lost(self, exc):
+        self._peer_gone()
+        super().connection_lost(exc)
 
 
 class _Conn:
@@ -63,12 +103,17 @@ class _Conn:
         self.number = number
         self.writer = writer
         self.active: dict[str, str] = {}  # client id -> engine id
+        self.streams: dict[str, RequestStream] = {}  # engine id -> its outputs
         self.tasks: set[asyncio.Task] = set()
         self.closed = False
+        self.watched: Watched | None = None
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.closed:
-            self.writer.write(encode(msg))
+            frame = encode(msg)
+            self.writer.write(frame)
+            if self.watched is not None:
+                self.watched.written += len(frame)
 
     async def drain(self) -> None:
         if not self.closed:
@@ -82,8 +127,7 @@ class _Conn:
 
     def kill(self) -> None:
         """Cut the connection off now (a client that stopped reading)."""
-        self.closed = True
-        self.writer.transport.abort()
+        self.writer.transport.abort()  # connection_lost follows: its requests are aborted
 
 
 class Server:
@@ -108,21 +152,36 @@ class Server:
         self.socket_port: int | None = None
         self.http_port: int | None = None
         self._ids = itertools.count()
+        self.stall_watch = StallWatch(self.config.write_stall_timeout_s)
+        # Prompts are tokenized here, off the event loop (the tokenizer releases the GIL), one
+        # at a time; a prompt too long to possibly fit is refused before it is read at all.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, "jaxserve-tokenize")
+        tok = engine.tokenizer
+        self._max_token_chars = (max(map(len, tok.get_vocab())) if tok is not None else 0)
+        self.num_disconnects = 0  # requests whose client left before their end
 
     # --------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         self.async_engine.start()
+        self.stall_watch.start()
         cfg = self.config
-        self._socket_server = await asyncio.start_server(self._handle, cfg.host, cfg.port,
-                                                         limit=cfg.max_frame_bytes + 16)
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> _Protocol:
+            return _Protocol(asyncio.StreamReader(limit=cfg.max_frame_bytes + 16), self._handle)
+
+        self._socket_server = await loop.create_server(protocol, cfg.host, cfg.port)
         self.socket_port = self._socket_server.sockets[0].getsockname()[1]
         if cfg.http_port is not None:
             from aiohttp import web
 
             from jaxserve.serving.openai_http import build_app
 
-            self._http_runner = web.AppRunner(build_app(self), access_log=None)
+            # handler_cancellation: a client that disconnects cancels its handler, whose
+            # cleanup aborts the request. The drain before shutdown has its own deadline.
+            self._http_runner = web.AppRunner(build_app(self), access_log=None,
+                                              handler_cancellation=True, shutdown_timeout=1.0)
             await self._http_runner.setup()
             site = web.TCPSite(self._http_runner, cfg.host, cfg.http_port)
             await site.start()
@@ -135,55 +194,98 @@ class Server:
         return s
 
     async def shutdown(self) -> None:
-        """Stop accepting, let in-flight requests finish within the deadline, abort the rest."""
+        """Stop accepting, let in-flight requests finish within the deadline, abort the rest,
+        then close every connection, stuck ones included; returns within about
+        `shutdown_timeout_s` + 2 s whatever the clients do."""
         self.draining = True
         if self._socket_server is not None:
             self._socket_server.close()
         deadline = time.monotonic() + self.config.shutdown_timeout_s
-        while time.monotonic() < deadline:
-            if not await self.async_engine.call(lambda e: e.num_unfinished_requests):
-                break
-            await asyncio.sleep(0.05)
-        await self.async_engine.call(lambda e: [e.abort(r) for r in list(e.requests)])
+        try:
+            while time.monotonic() < deadline:
+                if not await self.async_engine.call(lambda e: e.num_unfinished_requests):
+                    break
+                await asyncio.sleep(0.05)
+            await self.async_engine.call(lambda e: [e.abort(r) for r in list(e.requests)])
+        except RuntimeError:  # the engine loop is gone: nothing left to finish
+            pass
         await asyncio.sleep(0.2)  # let the final "abort" frames go out
         for conn in list(self._conns):
             conn.closed = True
-            conn.writer.close()
+            if conn.writer.transport.get_write_buffer_size():
+                conn.writer.transport.abort()  # a client that does not read its last frames
+            else:
+                conn.writer.close()
+        self.stall_watch.stop()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         self.async_engine.stop()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # --------------------------------------------------------------------------- shared helpers
 
     def new_engine_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def check_limits(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                     max_tokens: int) -> str | None:
-        """The limit a request breaks, as a message naming it; None if it is within limits."""
+    async def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                         max_tokens: int | None) -> list[int] | None:
+        """The request's prompt as token ids, within the server's limits; raises LimitError.
+
+        The event loop never tokenizes: a prompt with more characters than the limit's tokens
+        could hold (each at most the vocabulary's longest token) is refused unread, and any
+        other goes to the tokenizer thread."""
         cfg = self.config
-        if cfg.max_tokens_limit is not None and max_tokens > cfg.max_tokens_limit:
-            return f"max_tokens {max_tokens} exceeds the server's max_tokens_limit " \
-                   f"({cfg.max_tokens_limit})"
+        if (cfg.max_tokens_limit is not None and max_tokens is not None
+                and max_tokens > cfg.max_tokens_limit):
+            raise LimitError(f"max_tokens {max_tokens} exceeds the server's max_tokens_limit "
+                             f"({cfg.max_tokens_limit})", "max_tokens")
         limit = cfg.max_prompt_tokens or self.engine.config.max_model_len
-        if prompt_token_ids is not None:
-            n = len(prompt_token_ids)
-        elif prompt is not None and self.engine.tokenizer is not None:
-            # Cheap bound first: a token is at least one character of text.
-            n = len(prompt)
-            if n > limit:
-                n = len(self.engine.tokenizer(prompt).input_ids)
-        else:
-            n = 0
-        if n > limit:
-            return f"prompt has {n} tokens, more than max_prompt_tokens ({limit})"
-        return None
+        ids = prompt_token_ids
+        if ids is None and prompt is not None and self.engine.tokenizer is not None:
+            if len(prompt) > self.max_prompt_chars:
+                raise LimitError(f"prompt has {len(prompt)} characters, more than "
+                                 f"max_prompt_tokens ({limit}) tokens can hold", "prompt")
+            ids = await self.off_loop(self._encode, prompt)
+        if ids is not None and len(ids) > limit:
+            raise LimitError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens "
+                             f"({limit})", "prompt")
+        return ids
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No prompt longer than this can fit max_prompt_tokens."""
+        limit = self.config.max_prompt_tokens or self.engine.config.max_model_len
+        return limit * max(self._max_token_chars, 1)
+
+    async def off_loop(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, functools.partial(fn, *args, **kwargs))
+
+    def _encode(self, prompt: str) -> list[int]:  # the tokenizer thread; what the engine does
+        return self.engine.tokenizer(prompt).input_ids
 
     async def submit(self, engine_id: str, prompt, prompt_token_ids, params,
                      priority: int = 0) -> RequestStream:
         return await self.async_engine.add_request(engine_id, prompt, params,
                                                    prompt_token_ids=prompt_token_ids,
                                                    priority=priority)
+
+    def client_left(self, engine_id: str, stream: RequestStream | None) -> None:
+        """The client of an unfinished request is gone: abort it; what it still generates
+        before the abort lands counts as `tokens_after_disconnect`."""
+        if stream is not None:
+            if stream.finished:
+                return
+            stream.orphaned = True
+        self.num_disconnects += 1
+        self.async_engine.abort(engine_id)
+
+    def stats(self, engine_snapshot: dict) -> dict:
+        """The engine's figures plus the server's own."""
+        return {**engine_snapshot, "num_disconnects": self.num_disconnects,
+                "tokens_after_disconnect": self.async_engine.tokens_after_disconnect,
+                "num_slow_readers_cut_off": self.stall_watch.num_cut_off}
 
     def authorized(self, key: str | None) -> bool:
         want = self.config.api_key
@@ -196,6 +298,18 @@ class Server:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(next(self._conn_numbers), writer)
         self._conns.add(conn)
+        configure_transport(writer.transport)
+        conn.watched = self.stall_watch.watch(writer.transport, conn.kill)
+        proto = writer.transport.get_protocol()
+
+        def gone() -> None:  # the client closed its end: nothing it asked for runs on
+            conn.closed = True
+            for engine_id in list(conn.active.values()):
+                self.client_left(engine_id, conn.streams.get(engine_id))
+
+        proto.on_gone = gone
+        if proto.gone:
+            gone()
         authed = self.config.api_key is None
         try:
             while not conn.closed:
@@ -207,7 +321,7 @@ class Server:
                         await conn.drain()
                         break
                     continue
-                if msg is None:
+                if msg is None or conn.closed:
                     break
                 kind = msg["type"]
                 if kind not in CLIENT_TYPES:
@@ -237,16 +351,15 @@ class Server:
                     conn.send({"type": "health", "status": "ok" if ok else "error"})
                 elif kind == "stats":
                     snap = await self.async_engine.call(lambda e: e.metrics_snapshot())
-                    conn.send({"type": "stats", **snap})
+                    conn.send({"type": "stats", **self.stats(snap)})
                 await conn.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            conn.closed = True
-            for engine_id in conn.active.values():
-                self.async_engine.abort(engine_id)  # a disconnect frees its requests' blocks
+            gone()  # a disconnect (or a broken stream) frees its requests' blocks
             for task in conn.tasks:
                 task.cancel()
+            self.stall_watch.unwatch(conn.watched)
             self._conns.discard(conn)
             writer.close()
 
@@ -268,15 +381,23 @@ class Server:
                                          f"({self.config.max_concurrent_per_connection}) reached",
                        req.id)
             return
-        problem = self.check_limits(req.prompt, req.prompt_token_ids, req.params.max_tokens)
-        if problem:
-            conn.error("limit_exceeded", problem, req.id)
+        try:
+            req.params.validate(self.engine.config.max_logprobs)
+        except ValueError as e:  # the message starts with the field's name
+            conn.error("invalid_field", f"params.{e}", req.id)
             return
         engine_id = f"c{conn.number}-{req.id}"
-        conn.active[req.id] = engine_id
+        conn.active[req.id] = engine_id  # from here a disconnect aborts it
         try:
-            stream = await self.submit(engine_id, req.prompt, req.prompt_token_ids, req.params,
-                                       req.priority)
+            ids = await self.prompt_ids(req.prompt, req.prompt_token_ids, req.params.max_tokens)
+            if conn.closed:
+                conn.active.pop(req.id, None)
+                return
+            stream = await self.submit(engine_id, req.prompt, ids, req.params, req.priority)
+        except LimitError as e:
+            conn.active.pop(req.id, None)
+            conn.error("limit_exceeded", str(e), req.id)
+            return
         except QueueFullError as e:
             conn.active.pop(req.id, None)
             conn.error("queue_full", str(e), req.id)
@@ -285,19 +406,16 @@ class Server:
             conn.active.pop(req.id, None)
             conn.error("invalid_request", str(e), req.id)
             return
+        conn.streams[engine_id] = stream
+        stream.on_overflow = lambda s: conn.kill()
         if conn.closed:  # the client left while the request was being queued
-            self.async_engine.abort(engine_id)
-
-        def overflow(s: RequestStream) -> None:
-            self.async_engine.abort(s.request_id)
-            conn.kill()
-
-        stream.on_overflow = overflow
-        task = asyncio.create_task(self._pump(conn, req.id, stream, req.stream))
+            self.client_left(engine_id, stream)
+        task = asyncio.create_task(self._pump(conn, req.id, engine_id, stream, req.stream))
         conn.tasks.add(task)
         task.add_done_callback(conn.tasks.discard)
 
-    async def _pump(self, conn: _Conn, cid: str, stream: RequestStream, want_stream: bool):
+    async def _pump(self, conn: _Conn, cid: str, engine_id: str, stream: RequestStream,
+                    want_stream: bool):
         try:
             async for out in stream:
                 comp = out.outputs[0]
@@ -305,12 +423,19 @@ class Server:
                     conn.send({"type": "token", "id": cid, "text": comp.new_text,
                                "token_ids": comp.new_token_ids})
                 if out.finished:
-                    conn.send(done_frame(cid, out))
+                    if comp.finish_reason == "error":
+                        conn.error("internal_error", f"the request failed in the engine: "
+                                                     f"{out.metrics.error}", cid)
+                    else:
+                        conn.send(done_frame(cid, out))
                 await conn.drain()
-        except (ConnectionError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError, StreamOverflow):
             pass
         finally:
             conn.active.pop(cid, None)
+            conn.streams.pop(engine_id, None)
+            if not stream.finished:
+                self.client_left(engine_id, stream)
 
 
 def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:

@@ -52,3 +52,53 @@ def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_with_a_stuck_stream_exits_0_within_the_shutdown_timeout(tiny_llama_dir):
+    """An SSE client that never reads holds its handler in a write; SIGTERM still ends the
+    process with status 0, no traceback, within --shutdown-timeout-s and a little."""
+    import json
+    import socket
+
+    with socket.socket() as probe:  # a free port for the HTTP front (0 turns it off)
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/serve.py", "--model", tiny_llama_dir, "--port", "0",
+         "--http-port", str(free_port), "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+         "--max-model-len", "1024", "--num-kv-blocks", "128", "--token-buckets", "16", "32",
+         "--seq-buckets", "4", "--block-buckets", "64", "--shutdown-timeout-s", "2",
+         "--write-stall-timeout-s", "600"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        http_port, lines = None, []
+        deadline = time.time() + 240
+        while time.time() < deadline and http_port is None:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "listening on" in line:
+                assert f"http://127.0.0.1:{free_port}/v1" in line, line
+                http_port = free_port
+        assert http_port, "".join(lines)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", http_port))
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True,
+                           "stream": True, "logprobs": 5}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(3)  # generating, its writes blocked: the client reads nothing
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+        took = time.time() - t0
+        rest = proc.stderr.read()
+        s.close()
+        assert rc == 0, rest
+        assert "Traceback" not in rest, rest
+        assert took <= 2 + 5, took
+    finally:
+        if proc.poll() is None:
+            proc.kill()

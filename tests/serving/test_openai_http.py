@@ -29,10 +29,12 @@ def client(server):
     return openai.OpenAI(base_url=server.http_url + "/v1", api_key="k", max_retries=0)
 
 
-def scrape(server) -> dict[str, float]:
+def scrape(server, key: str | None = "k") -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(server.http_url + "/metrics").read().decode()
+    req = urllib.request.Request(server.http_url + "/metrics",
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    text = urllib.request.urlopen(req).read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -114,3 +116,62 @@ def test_errors_have_openai_shape(server, client):
     body = json.loads(he.value.read())
     assert body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
     assert urllib.request.urlopen(server.http_url + "/health").status == 200
+
+
+def test_metrics_need_the_key_unless_made_public(server, tiny_llama_dir):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        scrape(server, key=None)
+    assert e.value.code == 401
+    assert "jaxserve_num_requests_running" in scrape(server)  # with the key
+    from tests.helpers import make_engine
+
+    public = RunningServer(make_engine(tiny_llama_dir), api_key="k", public_metrics=True)
+    try:
+        assert "jaxserve_num_requests_running" in scrape(public, key=None)
+        with pytest.raises(urllib.error.HTTPError) as e:  # the API itself still needs it
+            urllib.request.urlopen(public.http_url + "/v1/models")
+        assert e.value.code == 401
+    finally:
+        public.stop()
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(server, client):
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Write a long story."}],
+        temperature=0, extra_body={"ignore_eos": True})
+    max_model_len = server.server.engine.config.max_model_len
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == max_model_len - r.usage.prompt_tokens
+
+
+def test_completion_logprobs_carry_tokens_and_offsets(client):
+    r = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                  max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(chosen, abs=1e-5)
+        assert top[tok] == pytest.approx(chosen, abs=1e-5)  # greedy: the chosen is the best
+    streamed = list(client.completions.create(model="smollm2", prompt="The capital of France is",
+                                              max_tokens=6, temperature=0, logprobs=2,
+                                              stream=True))
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def test_chat_logprobs_with_top_logprobs(client):
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-5)
+        assert bytes(c.bytes).decode() == c.token
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=2)
+    assert r.choices[0].logprobs is None
