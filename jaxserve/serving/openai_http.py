@@ -119,7 +119,7 @@ class _Api:
         if self.server.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
-            prompt_ids = await self.server.prompt_ids(prompt, prompt_ids, params.max_tokens)
+            prompt_ids = await self.server.prompt_ids(prompt, prompt_ids, params)
         except LimitError as e:
             raise ApiError(400, str(e), param=e.param) from None
         engine_id = self.server.new_engine_id(prefix)

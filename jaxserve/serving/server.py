@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxserve.config import option
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine, QueueFullError
 from jaxserve.serving.async_engine import AsyncEngine, RequestStream, StreamOverflow
 from jaxserve.serving.flow import StallWatch, Watched, configure_transport
@@ -228,13 +229,15 @@ class Server:
         return f"{prefix}-{next(self._ids)}"
 
     async def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                         max_tokens: int | None) -> list[int] | None:
+                         params: SamplingParams) -> list[int] | None:
         """The request's prompt as token ids, within the server's limits; raises LimitError.
+        A request without max_tokens is capped at `max_tokens_limit`, when there is one.
 
         The event loop never tokenizes: a prompt with more characters than the limit's tokens
         could hold (each at most the vocabulary's longest token) is refused unread, and any
         other goes to the tokenizer thread."""
         cfg = self.config
+        max_tokens = params.max_tokens
         if (cfg.max_tokens_limit is not None and max_tokens is not None
                 and max_tokens > cfg.max_tokens_limit):
             raise LimitError(f"max_tokens {max_tokens} exceeds the server's max_tokens_limit "
@@ -249,6 +252,9 @@ class Server:
         if ids is not None and len(ids) > limit:
             raise LimitError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens "
                              f"({limit})", "prompt")
+        if max_tokens is None and cfg.max_tokens_limit is not None and ids is not None:
+            room = self.engine.config.max_model_len - len(ids)
+            params.max_tokens = max(1, min(cfg.max_tokens_limit, room))
         return ids
 
     @property
@@ -389,7 +395,7 @@ class Server:
         engine_id = f"c{conn.number}-{req.id}"
         conn.active[req.id] = engine_id  # from here a disconnect aborts it
         try:
-            ids = await self.prompt_ids(req.prompt, req.prompt_token_ids, req.params.max_tokens)
+            ids = await self.prompt_ids(req.prompt, req.prompt_token_ids, req.params)
             if conn.closed:
                 conn.active.pop(req.id, None)
                 return

@@ -1,0 +1,177 @@
+"""Property-based fuzzing of what clients send: frames, generate requests, HTTP JSON bodies.
+
+Whatever arrives gets an answer in the protocol's error shape (or a result), and the server stays
+healthy and leaks nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve import LLMEngine
+from jaxserve.core.sampling_params import SamplingParams, param_names
+from jaxserve.serving.protocol import ProtocolError, decode_body, parse_generate, read_frame
+from tests.serving.server_fixture import RunningServer
+from tests.serving.test_hardening import assert_serves, wait_idle
+from tests.serving.test_hardening import read_frame as read_sock_frame
+from tests.serving.test_server import engine_config
+
+# Values of every JSON/msgpack kind, edge numbers included.
+scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                  max_size=4), max_leaves=12)
+FIELDS = (*param_names(), "prompt", "prompt_token_ids", "id", "stream", "priority", "params")
+
+
+def field_maps(extra=values):
+    """Maps whose keys are mostly real field names, with values of any kind."""
+    return st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), extra, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64) | msgpack_values.map(lambda v: msgpack.packb(v)))
+def test_frame_body_decodes_or_is_a_protocol_error(body):
+    try:
+        msg = decode_body(body)
+    except ProtocolError as e:
+        assert e.code == "bad_frame"
+    else:
+        assert isinstance(msg, dict) and isinstance(msg["type"], str)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=96))
+def test_read_frame_on_any_byte_stream(data):
+    async def run():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        frames = []
+        while True:
+            try:
+                msg = await read_frame(reader, max_bytes=64)
+            except ProtocolError as e:
+                if e.fatal:
+                    return frames
+                continue
+            if msg is None:
+                return frames
+            frames.append(msg)
+
+    for msg in asyncio.run(run()):
+        assert isinstance(msg, dict)
+
+
+@settings(max_examples=500, deadline=None)
+@given(field_maps(), field_maps(msgpack_values))
+def test_generate_request_parses_and_validates_or_names_its_field(top, params):
+    msg = {"type": "generate", **top}
+    if top.get("params") is None:
+        msg["params"] = params
+    try:
+        req = parse_generate(msg)
+    except ProtocolError as e:
+        assert e.code == "invalid_field" and ":" in e.message
+        return
+    try:
+        req.params.validate(max_logprobs=20)
+    except ValueError as e:
+        assert str(e).split()[0] in param_names()
+    else:
+        assert isinstance(req.params, SamplingParams)
+
+
+# -------------------------------------------------------------------------- the real server
+
+@pytest.fixture(scope="module")
+def server(smollm):
+    srv = RunningServer(LLMEngine(engine_config(), loaded=smollm), max_tokens_limit=4,
+                        max_frame_bytes=4096)
+    yield srv
+    srv.stop()
+
+
+statuses: list[int] = []
+
+
+def _body_maps():
+    keys = st.sampled_from(("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
+                            "seed", "stop", "logprobs", "top_logprobs", "stream", "n", "model",
+                            "stream_options", "max_completion_tokens", "ignore_eos", "echo"))
+    # A valid body for either route, then up to two of its fields set to anything.
+    good = {"prompt": "Hello", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "temperature": 0}
+    return st.one_of(values, st.dictionaries(keys, values, max_size=2).map(
+        lambda d: {**good, **d}))
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=_body_maps(), route=st.sampled_from(("/v1/completions", "/v1/chat/completions")))
+def test_http_any_json_body_gets_a_result_or_an_openai_error(server, body, route):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=120)
+    conn.request("POST", route, body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    status, data = r.status, r.read().decode()
+    conn.close()
+    statuses.append(status)
+    if status == 200 and r.getheader("Content-Type", "").startswith("text/event-stream"):
+        events = [e.removeprefix("data: ") for e in data.split("\n\n") if e]
+        assert events[-1] == "[DONE]", data
+        for e in events[:-1]:
+            assert "choices" in json.loads(e), e
+        return
+    answer = json.loads(data)
+    if status == 200:
+        assert answer["choices"], answer
+    else:
+        assert 400 <= status < 500, (status, answer)
+        err = answer["error"]
+        assert isinstance(err["message"], str) and err["type"]
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.binary(max_size=200) | st.lists(
+    msgpack_values | field_maps(msgpack_values).map(lambda m: {"type": "generate", **m}),
+    max_size=4).map(lambda vs: b"".join(len(b).to_bytes(4, "big") + b
+                                        for b in map(msgpack.packb, vs))))
+def test_socket_any_bytes_get_error_frames_and_the_server_stays_healthy(server, data):
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.settimeout(0.5)
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    try:
+        while True:
+            f = read_sock_frame(s)
+            assert f["type"] in ("error", "done", "token", "health"), f
+            if f["type"] == "error":
+                assert isinstance(f["code"], str) and isinstance(f["message"], str)
+    except (ConnectionError, TimeoutError, OSError):
+        pass
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+def test_after_the_fuzzing_the_server_is_healthy_and_empty(server):
+    assert 200 in statuses and 400 in statuses  # the bodies reached both outcomes
+    wait_idle(server, 10)
+    assert_serves(server)
