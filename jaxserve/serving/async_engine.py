@@ -106,7 +106,11 @@ class AsyncEngine:
                       priority=priority, arrival_time=time.perf_counter())
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", stream, kwargs, fut))
-        await asyncio.wrap_future(fut)
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the caller is gone (a client that disconnected), but
+            self.abort(request_id)  # the engine may queue the request anyway: abort after it
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:

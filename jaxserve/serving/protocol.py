@@ -17,7 +17,11 @@ Server frames:
     {"type": "error", "id"?: str, "code": str, "message": str}
     {"type": "health", "status": "ok"}        {"type": "stats", ...engine figures...}
 
-Ids are the client's own; they must be unique among that connection's live requests.
+Ids are the client's own; they must be unique among that connection's live requests. Error
+codes: bad_frame, frame_too_large (then the connection closes), unknown_type, unauthorized,
+invalid_field, invalid_request, limit_exceeded, queue_full, duplicate_id, not_found,
+shutting_down, and internal_error (the request failed inside the engine; others go on).
+Closing the connection, or only its sending half, aborts every request on it.
 """
 
 from __future__ import annotations

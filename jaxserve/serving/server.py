@@ -108,6 +108,13 @@ class _Conn:
         self.tasks: set[asyncio.Task] = set()
         self.closed = False
         self.watched: Watched | None = None
+        self._left: set[str] = set()  # engine ids already counted as left by their client
+
+    def left(self, server: Server, engine_id: str) -> None:
+        """Abort a request of this connection whose client is gone (again is harmless)."""
+        first = engine_id not in self._left
+        self._left.add(engine_id)
+        server.client_left(engine_id, self.streams.get(engine_id), count=first)
 
     def send(self, msg: dict[str, Any]) -> None:
         if not self.closed:
@@ -277,14 +284,16 @@ class Server:
                                                    prompt_token_ids=prompt_token_ids,
                                                    priority=priority)
 
-    def client_left(self, engine_id: str, stream: RequestStream | None) -> None:
+    def client_left(self, engine_id: str, stream: RequestStream | None,
+                    count: bool = True) -> None:
         """The client of an unfinished request is gone: abort it; what it still generates
-        before the abort lands counts as `tokens_after_disconnect`."""
+        before the abort lands counts as `tokens_after_disconnect`. `count`: the first time
+        for this request (it counts once in `num_disconnects`)."""
         if stream is not None:
             if stream.finished:
                 return
             stream.orphaned = True
-        self.num_disconnects += 1
+        self.num_disconnects += count
         self.async_engine.abort(engine_id)
 
     def stats(self, engine_snapshot: dict) -> dict:
@@ -311,7 +320,7 @@ class Server:
         def gone() -> None:  # the client closed its end: nothing it asked for runs on
             conn.closed = True
             for engine_id in list(conn.active.values()):
-                self.client_left(engine_id, conn.streams.get(engine_id))
+                conn.left(self, engine_id)
 
         proto.on_gone = gone
         if proto.gone:
@@ -415,7 +424,7 @@ class Server:
         conn.streams[engine_id] = stream
         stream.on_overflow = lambda s: conn.kill()
         if conn.closed:  # the client left while the request was being queued
-            self.client_left(engine_id, stream)
+            conn.left(self, engine_id)
         task = asyncio.create_task(self._pump(conn, req.id, engine_id, stream, req.stream))
         conn.tasks.add(task)
         task.add_done_callback(conn.tasks.discard)
@@ -441,7 +450,7 @@ class Server:
             conn.active.pop(cid, None)
             conn.streams.pop(engine_id, None)
             if not stream.finished:
-                self.client_left(engine_id, stream)
+                conn.left(self, engine_id)
 
 
 def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:
