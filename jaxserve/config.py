@@ -99,6 +99,9 @@ class EngineConfig:
         PreemptionMode.RECOMPUTE, "what preemption does: recompute (free the blocks, prefill "
                                   "again) or swap (copy to the host pool and back)")
     swap_space_bytes: int = option(256 << 20, "host pool for swap preemption, in bytes")
+    enable_prefix_caching: bool = option(
+        False, "reuse the K/V of prompt prefixes already computed (hash-chained full blocks; "
+               "off until the rest of the feature lands: metrics, host tier)")
     prefill_chunk_alignment: int = option(
         1, "cut prompt chunks to multiples of this (not the last chunk)")
     max_waiting_requests: int | None = option(

@@ -1,32 +1,62 @@
-"""BlockManager: the bookkeeping of the paged KV pool (block ids only; the pages live on device)."""
+"""BlockManager: the bookkeeping of the paged KV pool (block ids only; the pages live on device).
+
+With prefix caching, full blocks are also content-addressed (core/block_hash.py): a block whose
+K/V has been computed is registered under its hash chain name, and a later sequence whose prompt
+starts with the same blocks takes them instead of computing them again. Blocks carry reference
+counts; a block is free when nothing references it, and a free block that is registered keeps its
+contents until its slot is needed: the free queue is an LRU whose front is taken (and evicted)
+first. Unregistered blocks go to the front, registered ones to the back, a sequence's blocks last
+block first, so the end of a prompt is evicted before its shared beginning.
+
+A shared block is never written: only full blocks are registered, and a sequence writes from its
+first uncomputed token on, which lies past every block it took from the cache.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
+from collections import OrderedDict
 
+from jaxserve.core.block_hash import BlockHash, extend_hashes
 from jaxserve.core.sequence import Sequence
+
+
+@dataclasses.dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of them, found computed
+    evictions: int = 0  # registered blocks whose slot was taken for other contents
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class BlockManager:
     """Hands out fixed-size blocks of `block_size` token slots from a pool of `num_blocks`.
 
     A sequence holds exactly ceil(tokens_with_kv / block_size) blocks; they are appended as it
-    grows and all returned the moment it finishes, is aborted or is preempted.
+    grows and all released the moment it finishes, is aborted or is preempted.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.owner: dict[int, str] = {}  # block id -> request id, for integrity checks
+        self.enable_caching = enable_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # registered blocks by name
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_used_blocks = 0
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_queue)
 
     @property
-    def num_used_blocks(self) -> int:
-        return len(self.owner)
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -44,23 +74,133 @@ class BlockManager:
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
         for _ in range(n):
-            b = self.free_block_ids.popleft()
-            self.owner[b] = seq.request_id
+            b, _ = self.free_queue.popitem(last=False)
+            h = self.hash_of[b]
+            if h is not None:  # its contents go: forget them
+                del self.cached[h]
+                self.hash_of[b] = None
+                self.stats.evictions += 1
+            self._ref(b)
             seq.block_table.append(b)
 
     def free(self, seq: Sequence) -> None:
-        for b in seq.block_table:
-            del self.owner[b]
-            self.free_block_ids.append(b)
+        """Release every block of `seq`, last block first."""
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.num_used_blocks -= 1
+                self.free_queue[b] = None  # the back: evicted last
+                if self.hash_of[b] is None:
+                    self.free_queue.move_to_end(b, last=False)  # nothing to keep: taken first
         seq.block_table = []
+        seq.num_cached_blocks = 0
 
-    def check_integrity(self) -> None:
-        """Raise if free + used != total, or a block is both free and owned, or listed twice."""
-        free = set(self.free_block_ids)
-        if len(free) != len(self.free_block_ids):
-            raise AssertionError("a block id appears twice in the free list")
-        if free & self.owner.keys():
-            raise AssertionError(f"blocks both free and owned: {sorted(free & self.owner.keys())}")
-        if len(free) + len(self.owner) != self.num_blocks:
-            raise AssertionError(f"free ({len(free)}) + used ({len(self.owner)}) != total "
-                                 f"({self.num_blocks})")
+    def _ref(self, b: int) -> None:
+        if self.ref_count[b] == 0:
+            self.num_used_blocks += 1
+        self.ref_count[b] += 1
+
+    # ------------------------------------------------------------------------ prefix caching
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The registered blocks that hold `seq`'s first tokens, longest run first to last. The
+        last token is never matched: computing it gives the logits to sample from."""
+        if not self.enable_caching:
+            return []
+        max_blocks = (self._num_known(seq) - 1) // self.block_size
+        hashes = self._hashes(seq, max_blocks)
+        blocks = []
+        for h in hashes[:max_blocks]:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def num_blocks_taken_from_free(self, blocks: list[int]) -> int:
+        """How many of `blocks` (a match) sit in the free queue: taking them uses free slots."""
+        return sum(self.ref_count[b] == 0 for b in blocks)
+
+    def take_prefix(self, seq: Sequence, blocks: list[int], num_prompt_tokens: int) -> None:
+        """Give a sequence with no blocks the matched `blocks`: their tokens count as computed.
+        `num_prompt_tokens`: the tokens it looked up (for the hit rate)."""
+        assert not seq.block_table, seq
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self.free_queue[b]
+            self._ref(b)
+        seq.block_table = list(blocks)
+        seq.num_cached_blocks = len(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        self.stats.queries += num_prompt_tokens
+        self.stats.hits += seq.num_computed_tokens
+
+    def commit(self, seq: Sequence) -> None:
+        """Register `seq`'s full blocks whose K/V is computed (or being computed by a step
+        already launched, which runs before any step that could read them)."""
+        if not self.enable_caching:
+            return
+        full = min(seq.num_computed_tokens, self._num_known(seq)) // self.block_size
+        if full <= seq.num_cached_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_cached_blocks, full):
+            b, h = seq.block_table[i], hashes[i]
+            if self.hash_of[b] is None and h not in self.cached:
+                self.hash_of[b] = h
+                self.cached[h] = b
+            # else: an equal block was computed by another sequence at the same time; this
+            # copy stays unregistered and is simply freed later.
+        seq.num_cached_blocks = full
+
+    def forget(self, seq: Sequence) -> None:
+        """Unregister the blocks only `seq` holds (its step failed: their contents are not to
+        be trusted)."""
+        for b in seq.block_table:
+            h = self.hash_of[b]
+            if h is not None and self.ref_count[b] == 1:
+                del self.cached[h]
+                self.hash_of[b] = None
+
+    @staticmethod
+    def _num_known(seq: Sequence) -> int:
+        """Tokens on the host (a token the device is still sampling cannot be hashed yet)."""
+        return seq.num_prompt_tokens + seq.num_output_tokens
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The names of `seq`'s first `num_blocks` full blocks (more if known), kept on the
+        sequence so each is hashed once."""
+        if len(seq.block_hashes) < num_blocks:
+            end = num_blocks * self.block_size
+            extend_hashes(seq.block_hashes, seq.tokens(0, end), self.block_size, seq.cache_salt)
+        return seq.block_hashes
+
+    # ---------------------------------------------------------------------------- integrity
+
+    def check_integrity(self, seqs=None) -> None:
+        """Raise unless: every block is either free (in the queue, ref 0) or used (ref > 0);
+        the used count matches; registered names and blocks agree both ways. With `seqs` (every
+        live sequence), each block's reference count equals the number of block tables that
+        hold it."""
+        for b in range(self.num_blocks):
+            in_free = b in self.free_queue
+            if in_free == (self.ref_count[b] > 0):
+                raise AssertionError(f"block {b}: ref {self.ref_count[b]}, in free queue "
+                                     f"{in_free}")
+        used = sum(r > 0 for r in self.ref_count)
+        if used != self.num_used_blocks or used + len(self.free_queue) != self.num_blocks:
+            raise AssertionError(f"used {used} (counted {self.num_used_blocks}) + free "
+                                 f"{len(self.free_queue)} != {self.num_blocks}")
+        for h, b in self.cached.items():
+            if self.hash_of[b] != h:
+                raise AssertionError(f"block {b} registered under a name it does not carry")
+        if sum(h is not None for h in self.hash_of) != len(self.cached):
+            raise AssertionError("a block carries a name that is not registered")
+        if seqs is not None:
+            refs = [0] * self.num_blocks
+            for s in seqs:
+                for b in s.block_table:
+                    refs[b] += 1
+            if refs != self.ref_count:
+                bad = [b for b in range(self.num_blocks) if refs[b] != self.ref_count[b]]
+                raise AssertionError(f"reference counts differ from the block tables at {bad}")

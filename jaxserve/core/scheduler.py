@@ -187,9 +187,17 @@ class Scheduler:
         for seq in self._admission_order(now):
             if len(self.running) >= cfg.max_num_seqs or budget <= 0:
                 break
-            n = self._chunk(seq, budget)
-            if n == 0 or not bm.can_allocate(seq, seq.num_computed_tokens + n):
+            # A sequence with nothing computed (new, or preempted by recompute) first takes
+            # whatever prefix of it the cache holds.
+            cached = bm.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+            computed = len(cached) * bm.block_size or seq.num_computed_tokens
+            n = self._chunk(seq, budget, computed)
+            need = (bm.blocks_needed(computed + n) - len(cached) - len(seq.block_table)
+                    + bm.num_blocks_taken_from_free(cached))
+            if n == 0 or need > bm.num_free_blocks:
                 break  # head-of-line: later arrivals do not jump the queue
+            if seq.num_computed_tokens == 0 and bm.enable_caching:
+                bm.take_prefix(seq, cached, seq.num_tokens)
             host_ids = None
             if seq.status is SequenceStatus.SWAPPED:
                 self.swapped.remove(seq)
@@ -228,10 +236,13 @@ class Scheduler:
         self._sort(self.waiting, now)
         return self.swapped + self.waiting
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_uncomputed_tokens, budget)
+    def _chunk(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
+        """Tokens of `seq` to run this step; `computed`: its computed tokens if not yet set
+        (a prefix about to come from the cache)."""
+        left = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
+        n = min(left, budget)
         align = self.config.prefill_chunk_alignment
-        if n < seq.num_uncomputed_tokens and align > 1:
+        if n < left and align > 1:
             n = n // align * align  # a prompt's last chunk keeps its odd size
         return n
 

@@ -30,11 +30,11 @@ class Sequence:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "num_tokens", "params",
                  "arrival_index", "priority", "status", "num_computed_tokens", "block_table",
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
-                 "metrics", "num_pending")
+                 "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -52,6 +52,11 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.num_swapped_blocks = 0
         self.num_pending = 0
+        # Prefix caching (core/block_manager.py): the names of its full blocks, how many of its
+        # blocks are registered (or were taken from the cache), and the tenant's salt.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.cache_salt = cache_salt
         self.metrics = RequestMetrics(
             request_id, time.perf_counter() if arrival_time is None else arrival_time,
             len(self.prompt_token_ids))

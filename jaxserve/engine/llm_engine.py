@@ -80,7 +80,8 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(config, self.loaded)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(
             config.scheduler_config(), self.block_manager,
             SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None)
@@ -207,6 +208,8 @@ class LLMEngine:
             return False
         seq.metrics.finished_time = time.perf_counter()
         seq.metrics.error = error
+        if error is not None:  # what its blocks hold may be wrong: keep no names for them
+            self.block_manager.forget(seq)
         self.scheduler.finish(seq, reason)
         self.metrics.record_finished(seq)
         self._pending_outputs.append(self._output(SeqUpdate(seq, [], "", True)))

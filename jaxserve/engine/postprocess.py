@@ -47,12 +47,14 @@ class Postprocessor:
         self.launched(scheduled)
         return self.resolve(scheduled, tokens, now, logprobs)
 
-    @staticmethod
-    def launched(scheduled: list[ScheduledSeq]) -> None:
-        """The step is on the device: its tokens count as computed, and every row that samples
-        has a token pending, so the next schedule can run before this step's tokens are back."""
+    def launched(self, scheduled: list[ScheduledSeq]) -> None:
+        """The step is on the device: its tokens count as computed (full blocks join the prefix
+        cache), and every row that samples has a token pending, so the next schedule can run
+        before this step's tokens are back."""
+        commit = self.scheduler.block_manager.commit
         for s in scheduled:
             s.seq.num_computed_tokens = s.start + s.num_tokens
+            commit(s.seq)
             if s.samples:
                 s.seq.add_pending()
 
