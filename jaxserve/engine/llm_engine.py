@@ -104,21 +104,23 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None = None,
                     params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Queue a request. A bad field raises ValueError naming it; nothing else is touched.
 
         Given both, `prompt_token_ids` is what runs and `prompt` is the text it came from (a
-        front that tokenized the prompt already passes both).
+        front that tokenized the prompt already passes both). `cache_salt`: prefix-cache
+        blocks are shared only between requests with the same salt (tenant isolation).
 
         A full waiting queue raises QueueFullError."""
         try:
             self._add_request(request_id, prompt, params, prompt_token_ids, priority,
-                              arrival_time)
+                              arrival_time, cache_salt)
         except (ValueError, QueueFullError):
             self.metrics.record_rejection()
             raise
 
-    def _add_request(self, request_id, prompt, params, prompt_token_ids, priority, arrival_time):
+    def _add_request(self, request_id, prompt, params, prompt_token_ids, priority, arrival_time,
+                     cache_salt):
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -129,6 +131,9 @@ class LLMEngine:
         params.validate(self.config.max_logprobs)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                       or len(cache_salt) > 256):
+            raise ValueError("cache_salt must be a non-empty string of at most 256 characters")
         ids = self._prompt_ids(prompt, prompt_token_ids)
         if params.max_tokens is None:  # the rest of the context, as far as the pool holds it
             room = min(self.config.max_model_len,
@@ -143,7 +148,8 @@ class LLMEngine:
             raise QueueFullError(f"waiting queue is full (max_waiting_requests={limit})")
         seed = fold_seed(params.seed) if params.seed is not None else (
             (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
-        seq = Sequence(request_id, ids, params, self._arrivals, seed, priority, arrival_time)
+        seq = Sequence(request_id, ids, params, self._arrivals, seed, priority, arrival_time,
+                       cache_salt)
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids)
         self._arrivals += 1
@@ -361,6 +367,11 @@ class LLMEngine:
             "generation_tokens": m.generation_tokens,
             "num_steps": m.num_steps,
             "num_compiles": self.runner.num_compiles,
+            "prefix_cache_queries": bm.stats.queries,  # prompt tokens looked up
+            "prefix_cache_hits": bm.stats.hits,  # of them, found computed
+            "prefix_cache_hit_rate": bm.stats.hit_rate,
+            "prefix_cache_blocks": bm.num_cached_blocks,
+            "prefix_cache_evictions": bm.stats.evictions,
         }
 
     def _output(self, u: SeqUpdate) -> RequestOutput:

@@ -97,13 +97,14 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | None = None,
                           params: SamplingParams | None = None, *,
                           prompt_token_ids: list[int] | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request; raises what LLMEngine.add_request raises (ValueError, ...)."""
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                self.max_queue_per_request)
         stream.on_overflow = lambda s: self.abort(s.request_id)
         kwargs = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids,
-                      priority=priority, arrival_time=time.perf_counter())
+                      priority=priority, arrival_time=time.perf_counter(),
+                      cache_salt=cache_salt)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("add", stream, kwargs, fut))
         try:

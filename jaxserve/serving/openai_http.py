@@ -115,7 +115,8 @@ class _Api:
             raise ApiError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
         return params
 
-    async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str):
+    async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str,
+                      cache_salt=None):
         if self.server.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
@@ -124,7 +125,8 @@ class _Api:
             raise ApiError(400, str(e), param=e.param) from None
         engine_id = self.server.new_engine_id(prefix)
         try:
-            stream = await self.server.submit(engine_id, prompt, prompt_ids, params)
+            stream = await self.server.submit(engine_id, prompt, prompt_ids, params,
+                                              cache_salt=cache_salt)
         except QueueFullError as e:
             raise ApiError(429, str(e), kind="rate_limit_error") from None
         except ValueError as e:
@@ -221,7 +223,8 @@ class _Api:
             raise ApiError(400, "echo is not supported", param="echo")
         params = self._params(body, 16)
         include_usage = self._include_usage(body)
-        engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl")
+        engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl",
+                                               body.get("cache_salt"))
         created, model = int(time.time()), self.server.config.model_name
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.get("stream"):
@@ -268,7 +271,8 @@ class _Api:
             add_generation_prompt=True)
         params = self._params(body, None)
         include_usage = self._include_usage(body)
-        engine_id, stream = await self._submit(prompt, None, params, "chat")
+        engine_id, stream = await self._submit(prompt, None, params, "chat",
+                                               body.get("cache_salt"))
         created, model = int(time.time()), self.server.config.model_name
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.get("stream"):

@@ -40,8 +40,23 @@ class PrometheusExporter:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.step = Histogram("jaxserve_step_duration_seconds", "Engine step duration",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self._seen = {"num_preemptions": 0, "num_rejections": 0, "prompt_tokens": 0,
-                      "generation_tokens": 0, "num_requests_finished": 0, "num_steps": 0}
+        self.prefix_queries = Counter("jaxserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("jaxserve_prefix_cache_hits",
+                                   "Prompt tokens found computed in the prefix cache", registry=r)
+        self.prefix_evictions = Counter("jaxserve_prefix_cache_evictions",
+                                        "Cached blocks evicted for other contents", registry=r)
+        self.prefix_blocks = Gauge("jaxserve_prefix_cache_blocks", "Blocks in the prefix cache",
+                                   registry=r)
+        self._counters = (("num_preemptions", self.preemptions),
+                          ("num_rejections", self.rejections),
+                          ("prompt_tokens", self.prompt_tokens),
+                          ("generation_tokens", self.generation_tokens),
+                          ("prefix_cache_queries", self.prefix_queries),
+                          ("prefix_cache_hits", self.prefix_hits),
+                          ("prefix_cache_evictions", self.prefix_evictions))
+        self._seen = {key: 0 for key, _ in self._counters}
+        self._seen.update(num_requests_finished=0, num_steps=0)
 
     def update(self, engine: LLMEngine, outputs=None) -> None:
         snap = engine.metrics_snapshot()
@@ -50,10 +65,8 @@ class PrometheusExporter:
         self.swapped.set(snap["num_swapped"])
         self.kv_usage.set(snap["kv_usage"])
         self.kv_used.set(snap["kv_blocks_used"])
-        for key, counter in (("num_preemptions", self.preemptions),
-                             ("num_rejections", self.rejections),
-                             ("prompt_tokens", self.prompt_tokens),
-                             ("generation_tokens", self.generation_tokens)):
+        self.prefix_blocks.set(snap["prefix_cache_blocks"])
+        for key, counter in self._counters:
             delta = snap[key] - self._seen[key]
             if delta > 0:
                 counter.inc(delta)

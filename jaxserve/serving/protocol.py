@@ -5,7 +5,8 @@ with a string "type". Client frames:
 
     {"type": "auth", "api_key": str}                              (first, when a key is set)
     {"type": "generate", "id": str, "prompt": str | "prompt_token_ids": [int],
-     "params": {...SamplingParams fields, by name...}, "priority": int, "stream": bool}
+     "params": {...SamplingParams fields, by name...}, "priority": int, "stream": bool,
+     "cache_salt": str (prefix-cache blocks are shared only under the same salt)}
     {"type": "abort", "id": str}
     {"type": "health"}        {"type": "stats"}
 
@@ -94,6 +95,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: int
     stream: bool
+    cache_salt: str | None = None
 
 
 def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
@@ -126,4 +128,7 @@ def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", "must be a bool")
-    return GenerateRequest(rid, prompt, ids, params, priority, stream)
+    salt = msg.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
+        raise bad("cache_salt", "must be a non-empty string (<= 256 chars)")
+    return GenerateRequest(rid, prompt, ids, params, priority, stream, salt)

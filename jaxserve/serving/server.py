@@ -279,10 +279,10 @@ class Server:
         return self.engine.tokenizer(prompt).input_ids
 
     async def submit(self, engine_id: str, prompt, prompt_token_ids, params,
-                     priority: int = 0) -> RequestStream:
+                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         return await self.async_engine.add_request(engine_id, prompt, params,
                                                    prompt_token_ids=prompt_token_ids,
-                                                   priority=priority)
+                                                   priority=priority, cache_salt=cache_salt)
 
     def client_left(self, engine_id: str, stream: RequestStream | None,
                     count: bool = True) -> None:
@@ -408,7 +408,8 @@ class Server:
             if conn.closed:
                 conn.active.pop(req.id, None)
                 return
-            stream = await self.submit(engine_id, req.prompt, ids, req.params, req.priority)
+            stream = await self.submit(engine_id, req.prompt, ids, req.params, req.priority,
+                                       req.cache_salt)
         except LimitError as e:
             conn.active.pop(req.id, None)
             conn.error("limit_exceeded", str(e), req.id)

@@ -45,3 +45,33 @@ def test_same_tokens_with_caching_and_fewer_prefill_tokens(tiny_llama_dir, kw):
     assert prefill_on < prefill_off
     stats = engine.block_manager.stats
     assert stats.hits > 0 and stats.hits <= stats.queries
+
+
+def test_metrics_snapshot_reports_the_prefix_cache(tiny_llama_dir):
+    _, _, engine = _run(tiny_llama_dir, True)
+    snap = engine.metrics_snapshot()
+    stats = engine.block_manager.stats
+    assert snap["prefix_cache_queries"] == stats.queries > 0
+    assert snap["prefix_cache_hits"] == stats.hits > 0
+    assert snap["prefix_cache_hit_rate"] == pytest.approx(stats.hits / stats.queries)
+    assert snap["prefix_cache_blocks"] == engine.block_manager.num_cached_blocks > 0
+    from jaxserve.serving.prometheus import PrometheusExporter
+
+    exporter = PrometheusExporter()
+    exporter.update(engine)
+    text = exporter.render().decode()
+    assert f"jaxserve_prefix_cache_hits_total {float(stats.hits)}" in text
+
+
+def test_requests_share_cached_blocks_only_under_the_same_salt(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    hits = []
+    for rid, salt in (("a", "x"), ("b", "y"), ("c", None), ("d", "x")):
+        engine.add_request(rid, prompt_token_ids=SYSTEM + [1], params=params, cache_salt=salt)
+        run_all(engine)
+        hits.append(engine.block_manager.stats.hits)
+    assert hits[0] == hits[1] == hits[2] == 0  # the first of each salt computes everything
+    assert hits[3] == len(SYSTEM) // engine.config.block_size * engine.config.block_size
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request("e", prompt_token_ids=[1], params=params, cache_salt=5)

@@ -32,7 +32,8 @@ msgpack_values = st.recursive(
     | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                   max_size=4), max_leaves=12)
-FIELDS = (*param_names(), "prompt", "prompt_token_ids", "id", "stream", "priority", "params")
+FIELDS = (*param_names(), "prompt", "prompt_token_ids", "id", "stream", "priority", "params",
+          "cache_salt")
 
 
 def field_maps(extra=values):
@@ -109,7 +110,8 @@ statuses: list[int] = []
 def _body_maps():
     keys = st.sampled_from(("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
                             "seed", "stop", "logprobs", "top_logprobs", "stream", "n", "model",
-                            "stream_options", "max_completion_tokens", "ignore_eos", "echo"))
+                            "stream_options", "max_completion_tokens", "ignore_eos", "echo",
+                            "cache_salt"))
     # A valid body for either route, then up to two of its fields set to anything.
     good = {"prompt": "Hello", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
             "temperature": 0}
