@@ -3,9 +3,12 @@
 Used by the scheduler's property tests and the host-overhead benchmark. Its step runs the
 engine's own postprocess, so the stop rules and progress updates are the engine's. The fake
 model "samples" token f(request, index), so every request's expected output is known in advance,
-and it keeps a tag (request id, position) in every KV slot it writes, on the device pool and the
-host swap pool alike, so a test can check that each sequence's cached context is really its own
-after any mix of chunking, preemption and swapping.
+and it keeps a tag in every KV slot it writes, on the device pool and the host swap pool alike,
+so a test can check that each sequence's cached context is really its own after any mix of
+chunking, preemption and swapping. The tag is (request id, position); with prefix caching, where
+requests share blocks, it is what the K/V of a position depends on: the position and every token
+up to it (a running hash), so a block taken from the cache must hold exactly this sequence's
+prefix.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ def fake_token(request_id: str, index: int) -> int:
 
 class SimExecutor:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int = 16,
-                 num_host_blocks: int = 0, check_kv: bool = True, clock=None):
+                 num_host_blocks: int = 0, check_kv: bool = True, clock=None,
+                 enable_caching: bool = False):
         self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_caching)
         swap = SwapSpace(num_host_blocks) if num_host_blocks else None
         kw = {"clock": clock} if clock is not None else {}
         self.scheduler = Scheduler(config, self.block_manager, swap, **kw)
@@ -40,9 +44,10 @@ class SimExecutor:
         self._arrivals = 0
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int, priority: int = 0,
-            arrival_time: float | None = None) -> Sequence:
+            arrival_time: float | None = None, prompt: list[int] | None = None) -> Sequence:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        seq = Sequence(request_id, [1] * prompt_len, params, self._arrivals, 0, priority,
+        seq = Sequence(request_id, prompt if prompt is not None else [1] * prompt_len, params,
+                       self._arrivals, 0, priority,
                        arrival_time if arrival_time is not None else self.scheduler.clock())
         self._arrivals += 1
         self.requests[request_id] = seq
@@ -77,16 +82,26 @@ class SimExecutor:
                 self.finished[u.seq.request_id] = self.requests.pop(u.seq.request_id)
         self.num_steps += 1
 
+    def _tags(self, seq: Sequence, end: int) -> list:
+        if not self.block_manager.enable_caching:
+            return [(seq.request_id, pos) for pos in range(end)]
+        tags, h = [], 0
+        for pos in range(end):
+            h = hash((h, seq.token_at(pos)))
+            tags.append((pos, h))
+        return tags
+
     def _check_and_write(self, seq: Sequence, start: int, n: int) -> None:
         b = self.block_size
+        want = self._tags(seq, start + n)
         for pos in range(start):  # the context this step reads must be this sequence's own
             tags = self.device.get(seq.block_table[pos // b])
             got = tags[pos % b] if tags is not None else None
-            if got != (seq.request_id, pos):
+            if got != want[pos]:
                 raise AssertionError(f"{seq.request_id}: slot for position {pos} holds {got}")
         for pos in range(start, start + n):
             tags = self.device.setdefault(seq.block_table[pos // b], [None] * b)
-            tags[pos % b] = (seq.request_id, pos)
+            tags[pos % b] = want[pos]
 
     def run(self, max_steps: int = 100_000) -> None:
         while self.requests:
