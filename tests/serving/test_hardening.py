@@ -182,8 +182,10 @@ def test_pipelined_requests_of_a_departed_client_stop_at_once(server):
         pass
     s.close()
     t_close = time.monotonic()
-    idle_after = wait_idle(server, 10)
-    assert time.monotonic() - t_close <= 1.0 + 0.5, idle_after  # a second, plus polling slack
+    wait_idle(server, 10)
+    took = time.monotonic() - t_close
+    print(f"KV back to 0 {took:.3f} s after the client left")
+    assert took <= 1.0
     after = stats(server)
     # Only requests queued before the client left count; frames still unread never start.
     assert 1 <= after["num_disconnects"] - before["num_disconnects"] <= 24
@@ -207,7 +209,9 @@ def test_http_client_that_disconnects_stops_its_completion(server):
     s.close()
     t_close = time.monotonic()
     wait_idle(server, 10)
-    assert time.monotonic() - t_close <= 1.5
+    took = time.monotonic() - t_close
+    print(f"KV back to 0 {took:.3f} s after the HTTP client left")
+    assert took <= 1.0
     after = stats(server)
     assert after["num_disconnects"] - before["num_disconnects"] == 1
     assert after["tokens_after_disconnect"] - before["tokens_after_disconnect"] <= 1
