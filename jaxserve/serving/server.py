@@ -448,10 +448,10 @@ class Server:
         except (ConnectionError, asyncio.CancelledError, StreamOverflow):
             pass
         finally:
+            if not stream.finished:  # before the stream is dropped: left() marks it orphaned
+                conn.left(self, engine_id)
             conn.active.pop(cid, None)
             conn.streams.pop(engine_id, None)
-            if not stream.finished:
-                conn.left(self, engine_id)
 
 
 def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:
