@@ -15,6 +15,15 @@ from array import array
 
 BlockHash = bytes
 _ROOT = b"jaxserve-prefix-v1"
+MAX_SALT_CHARS = 256
+
+
+def check_salt(salt) -> None:
+    """Raise ValueError unless `salt` is None or a usable cache_salt."""
+    if salt is not None and (not isinstance(salt, str) or not salt
+                             or len(salt) > MAX_SALT_CHARS):
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} "
+                         f"characters")
 
 
 def hash_block(parent: BlockHash | None, token_ids, salt: str | None = None) -> BlockHash:

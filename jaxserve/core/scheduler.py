@@ -189,14 +189,15 @@ class Scheduler:
                 break
             # A sequence with nothing computed (new, or preempted by recompute) first takes
             # whatever prefix of it the cache holds.
-            cached = bm.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+            fresh = bm.enable_caching and seq.num_computed_tokens == 0
+            cached = bm.match_prefix(seq) if fresh else []
             computed = len(cached) * bm.block_size or seq.num_computed_tokens
             n = self._chunk(seq, budget, computed)
             need = (bm.blocks_needed(computed + n) - len(cached) - len(seq.block_table)
                     + bm.num_blocks_taken_from_free(cached))
             if n == 0 or need > bm.num_free_blocks:
                 break  # head-of-line: later arrivals do not jump the queue
-            if seq.num_computed_tokens == 0 and bm.enable_caching:
+            if fresh:
                 bm.take_prefix(seq, cached, seq.num_tokens)
             host_ids = None
             if seq.status is SequenceStatus.SWAPPED:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.block_hash import check_salt
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams, fold_seed
@@ -131,9 +132,7 @@ class LLMEngine:
         params.validate(self.config.max_logprobs)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
-                                       or len(cache_salt) > 256):
-            raise ValueError("cache_salt must be a non-empty string of at most 256 characters")
+        check_salt(cache_salt)
         ids = self._prompt_ids(prompt, prompt_token_ids)
         if params.max_tokens is None:  # the rest of the context, as far as the pool holds it
             room = min(self.config.max_model_len,

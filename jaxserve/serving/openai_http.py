@@ -18,7 +18,7 @@ from aiohttp import web
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving.async_engine import StreamOverflow
-from jaxserve.serving.server import LimitError
+from jaxserve.serving.server import LimitError, engine_failure
 
 
 class ApiError(Exception):
@@ -140,9 +140,9 @@ class _Api:
         try:
             async for out in stream:
                 if out.finished:
-                    if out.outputs[0].finish_reason == "error":
-                        raise ApiError(500, f"the request failed in the engine: "
-                                            f"{out.metrics.error}", kind="server_error")
+                    failure = engine_failure(out)
+                    if failure is not None:
+                        raise ApiError(500, failure, kind="server_error")
                     return out
         finally:
             self.server.client_left(engine_id, stream)  # a no-op once it finished
@@ -184,10 +184,9 @@ class _Api:
             last = None
             async for out in stream:
                 last = out
-                if out.finished and out.outputs[0].finish_reason == "error":
-                    await send(_event(ApiError(500, f"the request failed in the engine: "
-                                                    f"{out.metrics.error}",
-                                               kind="server_error").body()))
+                failure = engine_failure(out)
+                if failure is not None:
+                    await send(_event(ApiError(500, failure, kind="server_error").body()))
                     break
                 chunk = make_chunk(out)
                 if chunk is not None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import msgpack
 
+from jaxserve.core.block_hash import check_salt
 from jaxserve.core.sampling_params import SamplingParams
 
 HEADER = struct.Struct(">I")
@@ -129,6 +130,8 @@ def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
     if not isinstance(stream, bool):
         raise bad("stream", "must be a bool")
     salt = msg.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
-        raise bad("cache_salt", "must be a non-empty string (<= 256 chars)")
+    try:
+        check_salt(salt)
+    except ValueError as e:  # the message starts with the field's name
+        raise ProtocolError("invalid_field", str(e), rid) from None
     return GenerateRequest(rid, prompt, ids, params, priority, stream, salt)

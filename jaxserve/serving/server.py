@@ -249,7 +249,7 @@ class Server:
                 and max_tokens > cfg.max_tokens_limit):
             raise LimitError(f"max_tokens {max_tokens} exceeds the server's max_tokens_limit "
                              f"({cfg.max_tokens_limit})", "max_tokens")
-        limit = cfg.max_prompt_tokens or self.engine.config.max_model_len
+        limit = self.prompt_token_limit
         ids = prompt_token_ids
         if ids is None and prompt is not None and self.engine.tokenizer is not None:
             if len(prompt) > self.max_prompt_chars:
@@ -265,10 +265,13 @@ class Server:
         return ids
 
     @property
+    def prompt_token_limit(self) -> int:
+        return self.config.max_prompt_tokens or self.engine.config.max_model_len
+
+    @property
     def max_prompt_chars(self) -> int:
         """No prompt longer than this can fit max_prompt_tokens."""
-        limit = self.config.max_prompt_tokens or self.engine.config.max_model_len
-        return limit * max(self._max_token_chars, 1)
+        return self.prompt_token_limit * max(self._max_token_chars, 1)
 
     async def off_loop(self, fn, *args, **kwargs):
         """fn(*args, **kwargs) on the tokenizer thread."""
@@ -439,9 +442,9 @@ class Server:
                     conn.send({"type": "token", "id": cid, "text": comp.new_text,
                                "token_ids": comp.new_token_ids})
                 if out.finished:
-                    if comp.finish_reason == "error":
-                        conn.error("internal_error", f"the request failed in the engine: "
-                                                     f"{out.metrics.error}", cid)
+                    failure = engine_failure(out)
+                    if failure is not None:
+                        conn.error("internal_error", failure, cid)
                     else:
                         conn.send(done_frame(cid, out))
                 await conn.drain()
@@ -452,6 +455,14 @@ class Server:
                 conn.left(self, engine_id)
             conn.active.pop(cid, None)
             conn.streams.pop(engine_id, None)
+
+
+def engine_failure(out: RequestOutput) -> str | None:
+    """What to tell the client of a request that failed inside the engine (None if it did
+    not)."""
+    if out.outputs[0].finish_reason != "error":
+        return None
+    return f"the request failed in the engine: {out.metrics.error}"
 
 
 def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:

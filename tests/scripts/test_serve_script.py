@@ -57,8 +57,9 @@ def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
 def test_sigterm_with_a_stuck_stream_exits_0_within_the_shutdown_timeout(tiny_llama_dir):
     """An SSE client that never reads holds its handler in a write; SIGTERM still ends the
     process with status 0, no traceback, within --shutdown-timeout-s and a little."""
-    import json
     import socket
+
+    from tests.serving.test_hardening import post_completion
 
     with socket.socket() as probe:  # a free port for the HTTP front (0 turns it off)
         probe.bind(("127.0.0.1", 0))
@@ -85,10 +86,8 @@ def test_sigterm_with_a_stuck_stream_exits_0_within_the_shutdown_timeout(tiny_ll
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", http_port))
-        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True,
-                           "stream": True, "logprobs": 5}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        post_completion(s, {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True,
+                            "stream": True, "logprobs": 5})
         time.sleep(3)  # generating, its writes blocked: the client reads nothing
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)

@@ -80,6 +80,29 @@ def wait_idle(srv, timeout: float) -> float:
             time.sleep(0.02)
 
 
+def wait_until(srv, what: str, done, timeout: float = 60) -> None:
+    """Poll the server's stats until done(stats) holds."""
+    deadline = time.monotonic() + timeout
+    while not done(stats(srv)):
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.02)
+
+
+def idle_within_a_second(srv, t_left: float, who: str) -> None:
+    """Every KV block is back within a second of the client leaving at t_left."""
+    wait_idle(srv, 10)
+    took = time.monotonic() - t_left
+    print(f"KV back to 0 {took:.3f} s after the {who} left")
+    assert took <= 1.0
+
+
+def post_completion(s: socket.socket, body: dict) -> None:
+    """Send a raw HTTP POST /v1/completions on `s` (the test then reads, or does not)."""
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+
+
 def http(srv, method: str, path: str, body: bytes | None = None,
          headers: dict | None = None) -> tuple[int, dict]:
     import http.client
@@ -151,10 +174,7 @@ def test_a_request_failing_inside_the_step_fails_alone(server):
     s = connect(server)
     for rid in "abc":
         s.sendall(gen(rid, 40, stream=False))
-    deadline = time.monotonic() + 60
-    while stats(server)["num_running"] < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(server, "three running", lambda st: st["num_running"] >= 3)
 
     def corrupt(engine):  # a bug that touches one request: its top_k no longer fits int32
         [rid] = [r for r in engine.requests if r.endswith("-b")]
@@ -181,11 +201,7 @@ def test_pipelined_requests_of_a_departed_client_stop_at_once(server):
     while read_frame(s)["type"] != "token":  # the batch is generating
         pass
     s.close()
-    t_close = time.monotonic()
-    wait_idle(server, 10)
-    took = time.monotonic() - t_close
-    print(f"KV back to 0 {took:.3f} s after the client left")
-    assert took <= 1.0
+    idle_within_a_second(server, time.monotonic(), "client")
     after = stats(server)
     # Only requests queued before the client left count; frames still unread never start.
     assert 1 <= after["num_disconnects"] - before["num_disconnects"] <= 24
@@ -198,20 +214,12 @@ def test_pipelined_requests_of_a_departed_client_stop_at_once(server):
 def test_http_client_that_disconnects_stops_its_completion(server):
     before = stats(server)
     s = socket.create_connection(("127.0.0.1", server.server.http_port))
-    body = json.dumps({"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True,
-                       "temperature": 0}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    deadline = time.monotonic() + 60
-    while stats(server)["generation_tokens"] - before["generation_tokens"] < 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    post_completion(s, {"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True,
+                        "temperature": 0})
+    wait_until(server, "generating", lambda st: st["generation_tokens"]
+               - before["generation_tokens"] >= 5)
     s.close()
-    t_close = time.monotonic()
-    wait_idle(server, 10)
-    took = time.monotonic() - t_close
-    print(f"KV back to 0 {took:.3f} s after the HTTP client left")
-    assert took <= 1.0
+    idle_within_a_second(server, time.monotonic(), "HTTP client")
     after = stats(server)
     assert after["num_disconnects"] - before["num_disconnects"] == 1
     assert after["tokens_after_disconnect"] - before["tokens_after_disconnect"] <= 1
@@ -224,10 +232,8 @@ def test_socket_client_that_stops_reading_is_cut_off(server):
     before = stats(server)
     s = connect(server, rcvbuf=4096)
     s.sendall(b"".join(gen(f"r{i}", 200) for i in range(4)))
-    deadline = time.monotonic() + 60
-    while stats(server)["num_slow_readers_cut_off"] == before["num_slow_readers_cut_off"]:
-        assert time.monotonic() < deadline, "never cut off"
-        time.sleep(0.05)
+    wait_until(server, "cut off", lambda st: st["num_slow_readers_cut_off"]
+               > before["num_slow_readers_cut_off"])
     wait_idle(server, 5)
     after = stats(server)
     assert after["generation_tokens"] - before["generation_tokens"] < 4 * 200
@@ -240,14 +246,10 @@ def test_sse_stream_that_is_not_read_is_cut_off_and_its_handler_ends(server):
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", server.server.http_port))
-    body = json.dumps({"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True,
-                       "temperature": 0, "stream": True, "logprobs": 5}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    deadline = time.monotonic() + 60
-    while stats(server)["num_slow_readers_cut_off"] == before["num_slow_readers_cut_off"]:
-        assert time.monotonic() < deadline, "never cut off"
-        time.sleep(0.05)
+    post_completion(s, {"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True,
+                        "temperature": 0, "stream": True, "logprobs": 5})
+    wait_until(server, "cut off", lambda st: st["num_slow_readers_cut_off"]
+               > before["num_slow_readers_cut_off"])
     wait_idle(server, 5)
     assert stats(server)["generation_tokens"] - before["generation_tokens"] < 200
     s.close()
