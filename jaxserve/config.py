@@ -18,9 +18,10 @@ from jaxserve.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingP
 from kernels import AttentionBackend
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with its command-line help."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:
+    """A dataclass field with its command-line help (and further flag names; a bool's
+    `--x` alias brings `--no-x` with it)."""
+    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases})
 
 
 def _pow2_range(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
@@ -98,10 +99,15 @@ class EngineConfig:
     preemption_mode: PreemptionMode = option(
         PreemptionMode.RECOMPUTE, "what preemption does: recompute (free the blocks, prefill "
                                   "again) or swap (copy to the host pool and back)")
-    swap_space_bytes: int = option(256 << 20, "host pool for swap preemption, in bytes")
+    swap_space_bytes: int = option(256 << 20, "host pool for swap preemption and the prefix "
+                                              "cache's host tier, in bytes")
     enable_prefix_caching: bool = option(
-        False, "reuse the K/V of prompt prefixes already computed (hash-chained full blocks; "
-               "off until the rest of the feature lands: metrics, host tier)")
+        True, "reuse the K/V of prompt prefixes already computed (hash-chained full blocks; "
+              "cached blocks evicted from the device pool spill to the host pool and come "
+              "back from there)", aliases=("--prefix-caching",))
+    log_stats_interval_s: float = option(
+        5.0, "while requests run, log a line of serving figures this often (throughput, "
+             "queues, KV usage, prefix cache hit rate); 0 turns it off")
     prefill_chunk_alignment: int = option(
         1, "cut prompt chunks to multiples of this (not the last chunk)")
     max_waiting_requests: int | None = option(
@@ -141,6 +147,8 @@ class EngineConfig:
                              f"got {self.prefill_chunk_alignment}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.log_stats_interval_s < 0:
+            raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         for name in ("token_buckets", "seq_buckets", "block_buckets"):
@@ -204,7 +212,7 @@ def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
             kw |= {"type": str, "choices": [e.value for e in base]}
         else:
             kw["type"] = base
-        group.add_argument(_flag(f.name), **kw)
+        group.add_argument(_flag(f.name), *f.metadata.get("aliases", ()), **kw)
 
 
 def from_options(cls, args: argparse.Namespace, **overrides):

@@ -39,3 +39,15 @@ def test_every_field_is_an_option_with_its_default_and_help():
     cfg = from_options(EngineConfig, args)
     assert cfg == EngineConfig(max_num_seqs=8, token_buckets=(16, 32), strict_compile=True,
                                preemption_mode="swap")
+
+
+def test_prefix_caching_is_on_by_default_and_the_flags_turn_it_off():
+    ap = argparse.ArgumentParser()
+    add_options(ap, EngineConfig)
+    assert from_options(EngineConfig, ap.parse_args([])).enable_prefix_caching
+    for flag in ("--no-prefix-caching", "--no-enable-prefix-caching"):
+        assert not from_options(EngineConfig, ap.parse_args([flag])).enable_prefix_caching
+    assert from_options(EngineConfig, ap.parse_args(["--no-prefix-caching",
+                                                     "--prefix-caching"])).enable_prefix_caching
+    with pytest.raises(ValueError, match="log_stats_interval_s"):
+        EngineConfig(log_stats_interval_s=-1)

@@ -6,6 +6,13 @@
     python scripts/bench.py --server 127.0.0.1:7070 --concurrency 8          # a running server
     python scripts/bench.py --profile-dir traces --profile-steps 20        # XLA profiler trace
 
+Prefix-caching workloads (run each with and without --no-prefix-caching):
+
+    python scripts/bench.py --shared-prefix-len 512 --prompt-len fixed:544 --output-len fixed:32
+    python scripts/bench.py --shared-prefix-len 768 --prefix-groups 4 --prompt-len uniform:800:900
+    python scripts/bench.py --num-requests 16 --turns 8 --prompt-len uniform:64:128 \
+        --output-len fixed:32                                          # multi-turn chat
+
 Prints a table and writes OUT_DIR/bench.json (every figure plus the full configuration) and PNG
 plots (sweep curve, TTFT/TPOT distributions, step timeline) when matplotlib is installed.
 Workload and engine options are the fields of WorkloadConfig and EngineConfig, with their
@@ -91,6 +98,9 @@ def main(argv=None) -> int:
     if args.profiler_port:
         start_profiler_server(args.profiler_port)
     wcfg = from_options(WorkloadConfig, args)
+    if wcfg.turns > 1 and (args.server or args.compare):
+        raise SystemExit("--turns > 1 runs in process only (the next turn needs the answer): "
+                         "drop --server/--compare")
     loaded = None if args.server else load_model(args.model)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
 

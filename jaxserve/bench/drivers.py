@@ -23,19 +23,33 @@ def progress_bar(total: int, desc: str, enabled: bool):
 
 
 def request_id(r: BenchRequest) -> str:
-    return f"bench-{r.index}"
+    return f"bench-{r.index}" + (f"-t{r.turn}" if r.turn else "")
+
+
+# Engine counters a run reports as differences between its start and its end:
+# {name in the summary: key of metrics_snapshot()}.
+_COUNTERS = {"prompt_tokens_computed": "prompt_tokens",  # prefill tokens the steps computed
+             "prefix_cache_queries": "prefix_cache_queries",
+             "prefix_cache_hits": "prefix_cache_hits",
+             "prefix_cache_host_hits": "prefix_cache_host_hits"}
 
 
 def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
                on_step: Callable[[int], None] | None = None, concurrency: int | None = None):
     """Feed the workload to an LLMEngine in process at its arrival times (or, with
     `concurrency`, closed loop: a new request as soon as fewer than that many are in flight);
-    step until done. Returns (metrics per request, duration, per-step engine samples)."""
+    a conversation's next turn arrives when its answer is complete; step until done.
+    Returns (metrics per request and turn, in workload order, duration, engine samples: per
+    step, and the counters' differences over the run)."""
     pending = sorted(workload, key=lambda r: r.arrival_s)
+    by_id = {request_id(r): r for r in workload}
+    order = [request_id(r) for r in workload]
     results: dict[str, RequestMetrics] = {}
     first_step = engine.metrics.num_steps
+    before = engine.metrics_snapshot()
     t0 = time.perf_counter()
-    bar = progress_bar(len(workload), "requests", progress)
+    bar = progress_bar(len(workload) + sum(len(r.followups) for r in workload), "requests",
+                       progress)
     steps = 0
     while pending or engine.has_unfinished_requests():
         now = time.perf_counter() - t0
@@ -59,6 +73,12 @@ def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
             if out.finished:
                 results[out.request_id] = out.metrics
                 bar.update(1)
+                r = by_id[out.request_id]
+                if r.followups and out.metrics.error is None:
+                    nxt = r.next_turn(out.outputs[0].token_ids, time.perf_counter() - t0)
+                    by_id[request_id(nxt)] = nxt
+                    order.append(request_id(nxt))
+                    pending.insert(0, nxt)
         steps += 1
         if on_step is not None:
             on_step(steps)
@@ -66,10 +86,12 @@ def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
     bar.close()
     m = engine.metrics
     total = engine.block_manager.num_blocks
+    after = engine.metrics_snapshot()
     samples = {"running": m.step_running[first_step:],
                "waiting": m.step_waiting[first_step:],
-               "kv_usage": [u / total for u in m.step_kv_used[first_step:]]}
-    return [results[request_id(r)] for r in workload], duration, samples
+               "kv_usage": [u / total for u in m.step_kv_used[first_step:]],
+               **{name: after[key] - before[key] for name, key in _COUNTERS.items()}}
+    return [results[rid] for rid in order], duration, samples
 
 
 def run_server(port: int, workload: list[BenchRequest], host: str = "127.0.0.1",

@@ -52,8 +52,14 @@ def summarize(results: list[RequestMetrics], duration_s: float, workload: list[B
     if samples:
         out["engine_steps"] = len(samples["running"])
     for key, vals in (samples or {}).items():
+        if not isinstance(vals, list):  # a counter over the run
+            out[key] = vals
+            continue
         out[f"mean_{key}"] = float(np.mean(vals)) if vals else None
         out[f"peak_{key}"] = float(np.max(vals)) if vals else None
+    if samples and "prefix_cache_queries" in samples:
+        q = samples["prefix_cache_queries"]
+        out["prefix_cache_hit_rate"] = samples["prefix_cache_hits"] / q if q else 0.0
     return out
 
 
@@ -67,6 +73,10 @@ _TABLE_ROWS = [("completed req/s", "completed_req_per_s", 1), ("output tok/s", "
                ("mean waiting", "mean_waiting", 1), ("mean KV usage", "mean_kv_usage", 1),
                ("peak KV usage", "peak_kv_usage", 1), ("preemptions", "preemptions", 1),
                ("rejections", "rejections", 1), ("engine steps", "engine_steps", 1),
+               ("prefill computed", "prompt_tokens_computed", 1),
+               ("prefix hit rate", "prefix_cache_hit_rate", 1),
+               ("prefix hits (tok)", "prefix_cache_hits", 1),
+               ("host-tier hits", "prefix_cache_host_hits", 1),
                ("tok/s vs jaxserve", "throughput_ratio_vs_jaxserve", 1)]
 
 

@@ -1,5 +1,12 @@
 """Seeded benchmark workloads: arrivals (all at once or Poisson), prompt and output length
-distributions, an optional prefix shared by every prompt."""
+distributions, and the shapes of prompts that real users send:
+
+- a long system prompt every request starts with (`shared_prefix_len`);
+- few-shot prompts: one of a few sets of examples (`prefix_groups` shared prefixes), then the
+  question;
+- multi-turn chat (`turns`): each later turn's prompt is the previous prompt, the answer the
+  engine gave to it and a new user message, sent when that answer is complete.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +25,18 @@ class WorkloadConfig:
     prompt_len: str = option("uniform:16:128", "prompt lengths: fixed:N, uniform:A:B or "
                                                "longtail:MEDIAN:MAX")
     output_len: str = option("longtail:32:256", "output lengths (max_tokens), same forms")
-    shared_prefix_len: int = option(0, "tokens every prompt starts with")
+    shared_prefix_len: int = option(0, "tokens every prompt starts with (a system prompt)")
+    prefix_groups: int = option(1, "distinct shared prefixes (e.g. few-shot example sets); "
+                                   "request i starts with prefix i mod this")
+    turns: int = option(1, "turns per conversation: each later turn's prompt is the previous "
+                           "prompt + its answer + a new user message (turn_len)")
+    turn_len: str = option("uniform:16:64", "lengths of the later turns' user messages")
     seed: int = option(0, "workload seed (lengths, arrivals, token ids)")
+
+    def __post_init__(self):
+        for name in ("num_requests", "prefix_groups", "turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +45,14 @@ class BenchRequest:
     arrival_s: float  # offset from the start of the run
     prompt_token_ids: list[int]
     max_tokens: int
+    followups: tuple[list[int], ...] = ()  # user messages of the conversation's later turns
+    turn: int = 0
+
+    def next_turn(self, answer: list[int], arrival_s: float) -> BenchRequest:
+        """The conversation's next request: this prompt + its answer + the next message."""
+        return dataclasses.replace(
+            self, arrival_s=arrival_s, followups=self.followups[1:], turn=self.turn + 1,
+            prompt_token_ids=self.prompt_token_ids + list(answer) + self.followups[0])
 
 
 def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:
@@ -57,9 +82,14 @@ def make_workload(cfg: WorkloadConfig, vocab_size: int) -> list[BenchRequest]:
         arrivals = np.zeros(cfg.num_requests)
     # Ordinary token ids, away from the special tokens at both ends of most vocabularies.
     lo, hi = min(100, vocab_size // 4), max(vocab_size - 100, vocab_size * 3 // 4)
-    prefix = rng.integers(lo, hi, cfg.shared_prefix_len).tolist()
+    prefixes = [rng.integers(lo, hi, cfg.shared_prefix_len).tolist()
+                for _ in range(cfg.prefix_groups)]
+    later = _lengths(cfg.turn_len, cfg.num_requests * (cfg.turns - 1), rng)
     reqs = []
     for i in range(cfg.num_requests):
+        prefix = prefixes[i % cfg.prefix_groups]
         own = rng.integers(lo, hi, max(1, prompts[i] - len(prefix))).tolist()
-        reqs.append(BenchRequest(i, float(arrivals[i]), prefix + own, outputs[i]))
+        msgs = tuple(rng.integers(lo, hi, n).tolist()
+                     for n in later[i * (cfg.turns - 1):(i + 1) * (cfg.turns - 1)])
+        reqs.append(BenchRequest(i, float(arrivals[i]), prefix + own, outputs[i], msgs))
     return reqs

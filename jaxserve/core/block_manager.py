@@ -24,7 +24,8 @@ from jaxserve.core.sequence import Sequence
 @dataclasses.dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
-    hits: int = 0  # of them, found computed
+    hits: int = 0  # of them, found computed (on the device or in the host tier)
+    host_hits: int = 0  # of the hits, copied back from the host tier
     evictions: int = 0  # registered blocks whose slot was taken for other contents
 
     @property
@@ -68,8 +69,11 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow `seq`'s block table to cover `num_tokens` tokens."""
+    def allocate(self, seq: Sequence, num_tokens: int,
+                 evicted: list[tuple[int, BlockHash]] | None = None) -> None:
+        """Grow `seq`'s block table to cover `num_tokens` tokens. A registered block taken for
+        it loses its name; `evicted` (if given) receives (block, name) for each, so the host
+        tier can keep a copy before the block is overwritten."""
         n = self.num_new_blocks(seq, num_tokens)
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
@@ -77,6 +81,8 @@ class BlockManager:
             b, _ = self.free_queue.popitem(last=False)
             h = self.hash_of[b]
             if h is not None:  # its contents go: forget them
+                if evicted is not None:
+                    evicted.append((b, h))
                 del self.cached[h]
                 self.hash_of[b] = None
                 self.stats.evictions += 1
@@ -107,15 +113,19 @@ class BlockManager:
         last token is never matched: computing it gives the logits to sample from."""
         if not self.enable_caching:
             return []
-        max_blocks = (self._num_known(seq) - 1) // self.block_size
-        hashes = self._hashes(seq, max_blocks)
         blocks = []
-        for h in hashes[:max_blocks]:
+        for h in self.matchable_names(seq):
             b = self.cached.get(h)
             if b is None:
                 break
             blocks.append(b)
         return blocks
+
+    def matchable_names(self, seq: Sequence) -> list[BlockHash]:
+        """The names of the blocks of `seq` a cache may supply: every full block that ends
+        before its last known token."""
+        max_blocks = (self._num_known(seq) - 1) // self.block_size
+        return self._hashes(seq, max_blocks)[:max_blocks]
 
     def num_blocks_taken_from_free(self, blocks: list[int]) -> int:
         """How many of `blocks` (a match) sit in the free queue: taking them uses free slots."""
@@ -134,6 +144,21 @@ class BlockManager:
         seq.num_computed_tokens = len(blocks) * self.block_size
         self.stats.queries += num_prompt_tokens
         self.stats.hits += seq.num_computed_tokens
+
+    def register_loaded(self, seq: Sequence, start: int) -> None:
+        """`seq`'s blocks from index `start` on are getting their K/V copied in from the host
+        tier (before any step reads them): register them and count them computed."""
+        names = self.matchable_names(seq)
+        for i in range(start, len(seq.block_table)):
+            b, h = seq.block_table[i], names[i]
+            if h not in self.cached:  # else the device holds another copy already
+                self.hash_of[b] = h
+                self.cached[h] = b
+        loaded = (len(seq.block_table) - start) * self.block_size
+        seq.num_cached_blocks = len(seq.block_table)
+        seq.num_computed_tokens += loaded
+        self.stats.hits += loaded
+        self.stats.host_hits += loaded
 
     def commit(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose K/V is computed (or being computed by a step

@@ -80,14 +80,21 @@ class ScheduledSeq:
 
 
 @dataclasses.dataclass(slots=True)
+class KVCopy:
+    to_host: bool  # device -> host (else host -> device)
+    device_ids: list[int]
+    host_ids: list[int]
+
+
+@dataclasses.dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
-    # Copies the engine makes before the forward: (device block ids, host block ids). The device
-    # blocks of a swap-out may already be reassigned in this same schedule; that is safe because
-    # the copy runs before the forward writes anything.
-    swap_out: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
-    swap_in: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
+    # Block copies between the device and the host pool, which the engine makes in this order
+    # before the forward: swap-outs and host-tier spills (to_host), swap-ins and host-tier hits.
+    # A block may be reassigned later in the same schedule: the copies that read it are recorded
+    # first, so they run before whatever writes it.
+    copies: list[KVCopy] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +117,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
+        # The prefix cache's host tier: evicted cached blocks spill to the host pool.
+        self.host_tier = swap_space is not None and block_manager.enable_caching
 
     # ---------------------------------------------------------------------------- queue state
 
@@ -165,7 +174,7 @@ class Scheduler:
             if start >= len(seq.block_table) * block_size:
                 if not self._make_room(seq, start + 1, scheduled_ids, out):
                     continue
-                bm.allocate(seq, start + 1)
+                self._allocate(seq, start + 1, out)
             out.scheduled.append(ScheduledSeq(seq, start, 1, True, False))
             scheduled_ids.add(seq.request_id)
             budget -= 1
@@ -177,7 +186,7 @@ class Scheduler:
                 continue
             if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
                 continue  # seq itself was preempted
-            bm.allocate(seq, seq.num_computed_tokens + n)
+            self._allocate(seq, seq.num_computed_tokens + n, out)
             out.scheduled.append(ScheduledSeq.of(seq, n))
             scheduled_ids.add(seq.request_id)
             budget -= n
@@ -188,10 +197,12 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs or budget <= 0:
                 break
             # A sequence with nothing computed (new, or preempted by recompute) first takes
-            # whatever prefix of it the cache holds.
+            # whatever prefix of it the cache holds: on the device, then in the host tier.
             fresh = bm.enable_caching and seq.num_computed_tokens == 0
             cached = bm.match_prefix(seq) if fresh else []
-            computed = len(cached) * bm.block_size or seq.num_computed_tokens
+            loaded = (self.swap_space.match(bm.matchable_names(seq)[len(cached):])
+                      if fresh and self.host_tier else [])
+            computed = (len(cached) + len(loaded)) * bm.block_size or seq.num_computed_tokens
             n = self._chunk(seq, budget, computed)
             need = (bm.blocks_needed(computed + n) - len(cached) - len(seq.block_table)
                     + bm.num_blocks_taken_from_free(cached))
@@ -199,15 +210,19 @@ class Scheduler:
                 break  # head-of-line: later arrivals do not jump the queue
             if fresh:
                 bm.take_prefix(seq, cached, seq.num_tokens)
-            host_ids = None
+                if loaded:
+                    self._load_from_host(seq, loaded, out)
             if seq.status is SequenceStatus.SWAPPED:
                 self.swapped.remove(seq)
-                host_ids = self.swap_space.release(seq)
+                self._allocate(seq, seq.num_computed_tokens + n, out)
+                # Its first blocks get their K/V back; the host ids are free again only after
+                # this copy is recorded, so a later spill that reuses them runs after it.
+                host_ids = self.swap_space.held_ids(seq)
+                self._copy(out, False, seq.block_table[:len(host_ids)], host_ids)
+                self.swap_space.release(seq)
             else:
                 self.waiting.remove(seq)
-            bm.allocate(seq, seq.num_computed_tokens + n)
-            if host_ids is not None:  # its first blocks get their K/V back from the host pool
-                out.swap_in.append((seq.block_table[:len(host_ids)], host_ids))
+                self._allocate(seq, seq.num_computed_tokens + n, out)
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
@@ -215,6 +230,46 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
         return out
+
+    # --------------------------------------------------------------------- blocks and copies
+
+    def _allocate(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+        """Grow `seq`'s blocks; cached blocks evicted for it spill to the host tier."""
+        evicted: list | None = [] if self.host_tier else None
+        self.block_manager.allocate(seq, num_tokens, evicted)
+        if evicted:
+            spills = [(b, hid) for b, name in evicted
+                      if (hid := self.swap_space.spill(name)) is not None]
+            if spills:
+                device_ids, host_ids = map(list, zip(*spills, strict=True))
+                self._copy(out, True, device_ids, host_ids)
+
+    def _load_from_host(self, seq: Sequence, host_ids: list[int], out: SchedulerOutput) -> None:
+        """Give `seq` (holding its device-cached prefix) new blocks for the host-tier blocks
+        that follow it, copied in from the host."""
+        start = len(seq.block_table)
+        names = self.swap_space.pin(host_ids)  # the allocation's spills must not take them
+        self._allocate(seq, (start + len(host_ids)) * self.block_manager.block_size, out)
+        self._copy(out, False, seq.block_table[start:], host_ids)
+        self.swap_space.unpin(host_ids, names)
+        self.block_manager.register_loaded(seq, start)
+
+    @staticmethod
+    def _copy(out: SchedulerOutput, to_host: bool, device_ids: list[int],
+              host_ids: list[int]) -> None:
+        if not device_ids:
+            return
+        last = out.copies[-1] if out.copies else None
+        if last is not None and last.to_host == to_host:  # one copy per run of one direction
+            # A destination written twice (a tiny host pool cycling within one schedule) keeps
+            # the later write, as running the two copies in turn would.
+            new_dst = set(host_ids if to_host else device_ids)
+            old_dst = last.host_ids if to_host else last.device_ids
+            keep = [i for i, d in enumerate(old_dst) if d not in new_dst]
+            last.device_ids = [last.device_ids[i] for i in keep] + list(device_ids)
+            last.host_ids = [last.host_ids[i] for i in keep] + list(host_ids)
+        else:
+            out.copies.append(KVCopy(to_host, list(device_ids), list(host_ids)))
 
     def _admit_static_batch(self, now: float) -> None:
         """Static batching: the next max_num_seqs requests form a batch at once, whatever this
@@ -287,7 +342,7 @@ class Scheduler:
         swap = self.swap_space
         if (self.config.preemption_mode is PreemptionMode.SWAP and swap is not None
                 and seq.num_computed_tokens > 0 and swap.can_hold(len(seq.block_table))):
-            out.swap_out.append((list(seq.block_table), swap.reserve(seq)))
+            self._copy(out, True, list(seq.block_table), swap.reserve(seq))
             self.block_manager.free(seq)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)

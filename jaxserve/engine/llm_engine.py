@@ -25,7 +25,7 @@ from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.runtime.runner import ModelRunner, RecompileError
 from jaxserve.runtime.sampling import SamplerOutput
@@ -96,6 +96,8 @@ class LLMEngine:
         self._arrivals = 0
         self.metrics = EngineMetrics()
         self.step_trace: list[StepRecord] | None = [] if config.enable_step_trace else None
+        self.stat_logger = (StatLogger(config.log_stats_interval_s, time.perf_counter)
+                            if config.log_stats_interval_s > 0 else None)
         self._in_flight: _Launched | None = None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else jax.default_backend() != "cpu")
@@ -262,16 +264,18 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             self._in_flight = None
             outputs += self._complete(launched)
+        if self.stat_logger is not None and (line := self.stat_logger.poll(
+                self.metrics_snapshot)):
+            logger.info("%s", line)
         return outputs
 
     def _launch(self) -> _Launched | None:
         t0 = time.perf_counter()
         with jax.profiler.TraceAnnotation("jaxserve.schedule"):
             sched = self.scheduler.schedule()
-            for device_ids, host_ids in sched.swap_out:
-                self.runner.swap_out(device_ids, host_ids)
-            for device_ids, host_ids in sched.swap_in:
-                self.runner.swap_in(device_ids, host_ids)
+            for c in sched.copies:  # in order: a copy may read what a later one overwrites
+                (self.runner.swap_out if c.to_host else self.runner.swap_in)(c.device_ids,
+                                                                            c.host_ids)
         if sched.is_empty:
             return None
         with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
@@ -349,7 +353,7 @@ class LLMEngine:
 
     def metrics_snapshot(self) -> dict:
         """Engine-wide figures as a plain dict (what /metrics and the bench harness read)."""
-        m, bm = self.metrics, self.block_manager
+        m, bm, swap = self.metrics, self.block_manager, self.scheduler.swap_space
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -357,8 +361,7 @@ class LLMEngine:
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
-            "host_blocks_used": (self.scheduler.swap_space.num_used
-                                 if self.scheduler.swap_space else 0),
+            "host_blocks_used": swap.num_used if swap else 0,  # held by swapped requests
             "num_preemptions": self.scheduler.num_preemptions,
             "num_rejections": m.num_rejections,
             "num_requests_finished": m.num_requests_finished,
@@ -369,8 +372,11 @@ class LLMEngine:
             "prefix_cache_queries": bm.stats.queries,  # prompt tokens looked up
             "prefix_cache_hits": bm.stats.hits,  # of them, found computed
             "prefix_cache_hit_rate": bm.stats.hit_rate,
+            "prefix_cache_host_hits": bm.stats.host_hits,  # of the hits, from the host tier
             "prefix_cache_blocks": bm.num_cached_blocks,
             "prefix_cache_evictions": bm.stats.evictions,
+            "prefix_cache_host_blocks": swap.num_cached if swap else 0,
+            "prefix_cache_host_evictions": swap.num_evictions if swap else 0,
         }
 
     def _output(self, u: SeqUpdate) -> RequestOutput:

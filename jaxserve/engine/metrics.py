@@ -47,3 +47,41 @@ class EngineMetrics:
 
     def record_rejection(self) -> None:
         self.num_rejections += 1
+
+
+class StatLogger:
+    """Logs one line of serving figures every `interval_s` while the engine steps, as vLLM's
+    engine does: prompt and generation throughput over the interval, queue sizes, KV usage and
+    the prefix cache's hit rate (over the interval's lookups; device and host tier shares)."""
+
+    def __init__(self, interval_s: float, clock):
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last_time = clock()
+        self._last: dict | None = None
+
+    def poll(self, snapshot) -> str | None:
+        """The line to log, from `snapshot()` (a metrics_snapshot), once the interval is over;
+        else None (and `snapshot` is not called)."""
+        now = self.clock()
+        dt = now - self._last_time
+        if self._last is not None and dt < self.interval_s:
+            return None
+        snap = snapshot()
+        last, self._last, self._last_time = self._last, snap, now
+        if last is None:  # the first call only starts the interval
+            return None
+
+        def delta(key):
+            return snap[key] - last[key]
+
+        queries = delta("prefix_cache_queries")
+        hit = delta("prefix_cache_hits") / queries if queries else 0.0
+        host = delta("prefix_cache_host_hits") / queries if queries else 0.0
+        return (f"Avg prompt throughput: {delta('prompt_tokens') / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {delta('generation_tokens') / dt:.1f} tokens/s, "
+                f"Running: {snap['num_running']} reqs, Waiting: {snap['num_waiting']} reqs, "
+                f"Swapped: {snap['num_swapped']} reqs, "
+                f"KV cache usage: {100 * snap['kv_usage']:.1f}%, "
+                f"Prefix cache hit rate: {100 * hit:.1f}% "
+                f"(device {100 * (hit - host):.1f}%, host {100 * host:.1f}%)")

@@ -1,6 +1,6 @@
 """The KV pool's device memory: the paged K/V arrays, their sizing, and the host pool that swap
-preemption copies blocks to and from. (Which block belongs to whom is the core's BlockManager
-and SwapSpace; this module holds only arrays.)"""
+preemption and the prefix cache's host tier copy blocks to and from. (Which block belongs to
+whom is the core's BlockManager and SwapSpace; this module holds only arrays.)"""
 
 from __future__ import annotations
 
@@ -54,8 +54,11 @@ def pool_bytes(memory_bytes: int, memory_fraction: float | None) -> int:
 class HostSwapPool:
     """A preallocated host copy target, (L, host blocks, B, K, H), and the jitted block copies.
 
-    Block id lists are padded to a power of two so the gather/scatter programs are few and all
-    compiled at warmup; padding ids point past the pool (gathers clamp, scatters drop them)."""
+    A copy moves at most MAX_COPY_BLOCKS blocks per call, its id list padded to a power of two,
+    so the gather/scatter programs are few and all compiled at warmup; padding ids point past
+    the pool (gathers clamp, scatters drop them)."""
+
+    MAX_COPY_BLOCKS = 64
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, num_device_blocks: int, block_size: int,
                  dtype):
@@ -69,35 +72,44 @@ class HostSwapPool:
                                           kv.v.at[:, ids].set(v, mode="drop")),
             donate_argnums=(0,))
 
-    def _padded(self, ids: list[int]) -> np.ndarray:
+    def _sizes(self):
         n = 1
-        while n < len(ids):
+        while n < min(self.num_device_blocks, self.MAX_COPY_BLOCKS):
+            yield n
             n *= 2
+        yield n
+
+    def _padded(self, ids: list[int]) -> np.ndarray:
+        n = next(s for s in self._sizes() if s >= len(ids))
         out = np.full(n, self.num_device_blocks, np.int32)
         out[:len(ids)] = ids
         return out
 
+    @classmethod
+    def _chunks(cls, device_ids: list[int], host_ids: list[int]):
+        for i in range(0, len(device_ids), cls.MAX_COPY_BLOCKS):
+            yield (device_ids[i:i + cls.MAX_COPY_BLOCKS], host_ids[i:i + cls.MAX_COPY_BLOCKS])
+
     def warmup(self, kv: KVCache) -> KVCache:
-        """Compile the copies for every power-of-two block count up to the device pool."""
-        n = 1
-        while True:
+        """Compile the copies for every size."""
+        for n in self._sizes():
             ids = np.full(n, self.num_device_blocks, np.int32)
             kv = self._scatter(kv, ids, *self._gather(kv, ids))
-            if n >= self.num_device_blocks:
-                return kv
-            n *= 2
+        return kv
 
     def swap_out(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device blocks to the host pool (before the step that may reuse them)."""
-        k, v = self._gather(kv, self._padded(device_ids))
-        n = len(device_ids)
-        self.k[:, host_ids] = np.asarray(k)[:, :n]
-        self.v[:, host_ids] = np.asarray(v)[:, :n]
+        for dev, host in self._chunks(device_ids, host_ids):
+            k, v = self._gather(kv, self._padded(dev))
+            self.k[:, host] = np.asarray(k)[:, :len(dev)]
+            self.v[:, host] = np.asarray(v)[:, :len(dev)]
 
     def swap_in(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> KVCache:
-        ids = self._padded(device_ids)
-        shape = (self.k.shape[0], len(ids), *self.k.shape[2:])
-        k, v = np.zeros(shape, self.k.dtype), np.zeros(shape, self.k.dtype)
-        k[:, :len(host_ids)] = self.k[:, host_ids]
-        v[:, :len(host_ids)] = self.v[:, host_ids]
-        return self._scatter(kv, ids, k, v)
+        for dev, host in self._chunks(device_ids, host_ids):
+            ids = self._padded(dev)
+            shape = (self.k.shape[0], len(ids), *self.k.shape[2:])
+            k, v = np.zeros(shape, self.k.dtype), np.zeros(shape, self.k.dtype)
+            k[:, :len(host)] = self.k[:, host]
+            v[:, :len(host)] = self.v[:, host]
+            kv = self._scatter(kv, ids, k, v)
+        return kv

@@ -82,8 +82,10 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction) // per_block)
         self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
-        self.num_host_blocks = (config.swap_space_bytes // per_block
-                                if config.preemption_mode is PreemptionMode.SWAP else 0)
+        # The host pool serves swap preemption and the prefix cache's host tier.
+        uses_host = (config.preemption_mode is PreemptionMode.SWAP
+                     or config.enable_prefix_caching)
+        self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
         self.host_pool = (HostSwapPool(mc, self.num_host_blocks, self.num_blocks,
                                        self.block_size, self.dtype)
                           if self.num_host_blocks else None)

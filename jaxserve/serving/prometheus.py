@@ -44,17 +44,27 @@ class PrometheusExporter:
                                       "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("jaxserve_prefix_cache_hits",
                                    "Prompt tokens found computed in the prefix cache", registry=r)
+        self.prefix_host_hits = Counter(
+            "jaxserve_prefix_cache_host_hits",
+            "Prompt tokens found in the prefix cache's host tier (part of the hits)", registry=r)
         self.prefix_evictions = Counter("jaxserve_prefix_cache_evictions",
                                         "Cached blocks evicted for other contents", registry=r)
+        self.prefix_host_evictions = Counter(
+            "jaxserve_prefix_cache_host_evictions", "Host-tier blocks evicted for other contents",
+            registry=r)
         self.prefix_blocks = Gauge("jaxserve_prefix_cache_blocks", "Blocks in the prefix cache",
                                    registry=r)
+        self.prefix_host_blocks = Gauge("jaxserve_prefix_cache_host_blocks",
+                                        "Blocks in the prefix cache's host tier", registry=r)
         self._counters = (("num_preemptions", self.preemptions),
                           ("num_rejections", self.rejections),
                           ("prompt_tokens", self.prompt_tokens),
                           ("generation_tokens", self.generation_tokens),
                           ("prefix_cache_queries", self.prefix_queries),
                           ("prefix_cache_hits", self.prefix_hits),
-                          ("prefix_cache_evictions", self.prefix_evictions))
+                          ("prefix_cache_host_hits", self.prefix_host_hits),
+                          ("prefix_cache_evictions", self.prefix_evictions),
+                          ("prefix_cache_host_evictions", self.prefix_host_evictions))
         self._seen = {key: 0 for key, _ in self._counters}
         self._seen.update(num_requests_finished=0, num_steps=0)
 
@@ -66,6 +76,7 @@ class PrometheusExporter:
         self.kv_usage.set(snap["kv_usage"])
         self.kv_used.set(snap["kv_blocks_used"])
         self.prefix_blocks.set(snap["prefix_cache_blocks"])
+        self.prefix_host_blocks.set(snap["prefix_cache_host_blocks"])
         for key, counter in self._counters:
             delta = snap[key] - self._seen[key]
             if delta > 0:

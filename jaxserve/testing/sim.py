@@ -66,12 +66,12 @@ class SimExecutor:
 
     def execute(self, out: SchedulerOutput) -> None:
         """What the engine does with a schedule: swap copies, the (fake) forward, postprocess."""
-        for device_ids, host_ids in out.swap_out:
-            for d, h in zip(device_ids, host_ids, strict=True):
-                self.host[h] = list(self.device.get(d, []))
-        for device_ids, host_ids in out.swap_in:
-            for d, h in zip(device_ids, host_ids, strict=True):
-                self.device[d] = list(self.host.pop(h))
+        for c in out.copies:  # in order, as the engine makes them
+            for d, h in zip(c.device_ids, c.host_ids, strict=True):
+                if c.to_host:
+                    self.host[h] = list(self.device.get(d, []))
+                else:
+                    self.device[d] = list(self.host[h])
         if self.check_kv:
             for sch in out.scheduled:
                 self._check_and_write(sch.seq, sch.start, sch.num_tokens)

@@ -39,6 +39,47 @@ def test_workload_is_seeded_and_follows_its_distributions():
     assert arrivals == sorted(arrivals) and 2.0 < arrivals[-1] < 8.0  # ~200 / 50 req/s
 
 
+def test_prefix_workloads_share_what_they_say():
+    cfg = WorkloadConfig(num_requests=12, prompt_len="uniform:40:50", shared_prefix_len=32,
+                         prefix_groups=3, turns=4, turn_len="fixed:5", seed=1)
+    wl = make_workload(cfg, 1000)
+    heads = [tuple(r.prompt_token_ids[:32]) for r in wl]
+    assert len(set(heads)) == 3 and heads[0] == heads[3] != heads[1]  # prefix i mod 3
+    assert all(len(r.followups) == 3 and all(len(m) == 5 for m in r.followups) for r in wl)
+    nxt = wl[0].next_turn([7, 8], 1.5)
+    assert nxt.prompt_token_ids == wl[0].prompt_token_ids + [7, 8] + wl[0].followups[0]
+    assert (nxt.turn, nxt.arrival_s, nxt.followups) == (1, 1.5, wl[0].followups[1:])
+    with pytest.raises(ValueError, match="turns"):
+        WorkloadConfig(turns=0)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_multi_turn_chat_runs_every_turn_and_counts_prefill(tiny_llama_dir, caching):
+    """Each later turn is sent with the previous answer in its prompt; the run reports the
+    prefill tokens it computed, and with caching the earlier turns' blocks are found."""
+    e = engine(tiny_llama_dir, enable_prefix_caching=caching)
+    wl = make_workload(WorkloadConfig(num_requests=3, prompt_len="fixed:40", turns=3,
+                                      turn_len="fixed:6", output_len="fixed:8"), 512)
+    res, dur, samples = drivers.run_engine(e, wl, progress=False)
+    s = report.summarize(res, dur, wl, samples)
+    assert s["completed"] == 9
+    turns = {}
+    for r in e.step_trace:  # prompts grow by answer (8) + message (6) per turn
+        for rid, n, _ in r.requests:
+            turns.setdefault(rid, 0)
+            turns[rid] += n
+    assert sorted(res[i].prompt_tokens for i in range(9)) == sorted(
+        40 + 14 * t for t in range(3) for _ in range(3))
+    assert s["prompt_tokens_computed"] == sum(turns.values())
+    if caching:
+        assert s["prefix_cache_hits"] > 0 and 0 < s["prefix_cache_hit_rate"] <= 1
+        assert s["prompt_tokens_computed"] == s["prompt_tokens"] - s["prefix_cache_hits"]
+    else:
+        assert s["prefix_cache_hits"] == 0
+        assert s["prompt_tokens_computed"] == s["prompt_tokens"]
+    assert "prefill computed" in report.format_table({"jaxserve": s})
+
+
 def test_harness_reports_every_figure_consistently(tiny_llama_dir):
     e = engine(tiny_llama_dir)
     wl = make_workload(WorkloadConfig(num_requests=24, rate=200.0,

@@ -184,7 +184,7 @@ def test_scheduler_invariants(w):
         assert all(x.num_tokens > 0 for x in out.scheduled)
         # Block accounting is exact; running sequences hold exactly the blocks they need.
         # With caching, reference counts equal the block tables that hold each block.
-        bm.check_integrity(s.scheduler.running)
+        check_integrity(s)
         for seq in s.scheduler.running:
             assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens)
         held = [b for q in s.scheduler.running for b in q.block_table]
@@ -225,12 +225,20 @@ def test_static_batch_is_max_num_seqs_even_when_prompts_exceed_the_budget():
                for r, seq in s.finished.items())
 
 
-@pytest.mark.parametrize("mode, host", [("recompute", 0), ("swap", 24)])
+def check_integrity(s) -> None:
+    """The device pool (reference counts equal the running block tables) and the host pool."""
+    s.block_manager.check_integrity(s.scheduler.running)
+    if s.scheduler.swap_space:
+        s.scheduler.swap_space.check_integrity()
+
+
+@pytest.mark.parametrize("mode, host", [("recompute", 0), ("swap", 24), ("recompute", 24)])
 def test_prefix_caching_soak_2000_requests(mode, host):
     """2,000 requests, half sharing one of three prefixes, with aborts and a pool small enough
-    to preempt: the integrity check holds after every step (reference counts equal the block
-    tables), every slot read holds this sequence's own prefix, outputs are exact, and every
-    block comes back."""
+    to preempt (and, with a host pool, to spill cached blocks to the host tier): the integrity
+    check holds after every step (reference counts equal the block tables), every slot read
+    holds this sequence's own prefix (also after a trip through the host tier), outputs are
+    exact, and every block comes back."""
     import random
 
     rng = random.Random(0)
@@ -250,13 +258,16 @@ def test_prefix_caching_soak_2000_requests(mode, host):
             aborted.add(victim)
         if i % 4 == 3:  # arrivals outpace the steps: a queue builds up
             s.step()
-            bm.check_integrity(s.scheduler.running)
+            check_integrity(s)
     while s.requests:
         s.step()
-        bm.check_integrity(s.scheduler.running)
+        check_integrity(s)
     for rid, n in expected.items():
         if rid not in aborted:
             assert s.finished[rid].output_token_ids == [fake_token(rid, k) for k in range(n)]
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
     assert s.scheduler.num_preemptions > 0
     assert bm.stats.hit_rate > 0.1, bm.stats  # half the prompts share a prefix
+    if host:  # the device pool is too small to keep every prefix: some come from the host
+        assert bm.stats.host_hits > 0, bm.stats
+        assert s.scheduler.swap_space.num_used == 0  # held blocks all returned

@@ -33,10 +33,14 @@ def _run(path, caching: bool, waves: int = 2, **kw):
     return {r: o.outputs[0].token_ids for r, o in done.items()}, prefill, engine
 
 
+TIGHT = {"num_kv_blocks": 12, "max_num_batched_tokens": 16}  # preemption and small chunks
+
+
 @pytest.mark.parametrize("kw", [
     {},  # plenty of room
-    {"num_kv_blocks": 12, "max_num_batched_tokens": 16},  # preemption and small chunks
-    {"num_kv_blocks": 12, "max_num_batched_tokens": 16, "preemption_mode": "swap"},
+    {**TIGHT, "swap_space_bytes": 0},  # no host tier: evicted prefixes are computed again
+    TIGHT,  # evicted prefixes come back from the host tier
+    {**TIGHT, "preemption_mode": "swap"},
 ])
 def test_same_tokens_with_caching_and_fewer_prefill_tokens(tiny_llama_dir, kw):
     off, prefill_off, _ = _run(tiny_llama_dir, False, **kw)
@@ -45,6 +49,36 @@ def test_same_tokens_with_caching_and_fewer_prefill_tokens(tiny_llama_dir, kw):
     assert prefill_on < prefill_off
     stats = engine.block_manager.stats
     assert stats.hits > 0 and stats.hits <= stats.queries
+    if engine.scheduler.swap_space is None:
+        assert stats.host_hits == 0
+    else:
+        engine.scheduler.swap_space.check_integrity()
+        assert engine.scheduler.swap_space.num_used == 0
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier(tiny_llama_dir):
+    """A prompt, then enough other prompts to push its blocks out of a small device pool, then
+    the prompt again: its prefix is copied back from the host tier (not computed), and every
+    token equals a run without caching."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    fillers = [[(100 + 13 * i + 7 * j) % 500 for j in range(60)] for i in range(4)]
+    results = {}
+    for caching in (False, True):
+        engine = make_engine(tiny_llama_dir, enable_prefix_caching=caching, num_kv_blocks=8)
+        outs = []
+        for i, ids in enumerate([SYSTEM + [1, 2]] + fillers + [SYSTEM + [3, 4]]):
+            engine.add_request(str(i), prompt_token_ids=ids, params=params)
+            outs.append(run_all(engine)[str(i)].outputs[0].token_ids)
+        results[caching] = outs
+    assert results[True] == results[False]
+    stats, host = engine.block_manager.stats, engine.scheduler.swap_space
+    bs = engine.config.block_size
+    assert stats.host_hits == len(SYSTEM) // bs * bs  # the whole shared prefix, from the host
+    last_prefill = sum(p for r in engine.step_trace for rid, p, _ in r.requests if rid == "5")
+    assert last_prefill == len(SYSTEM) + 2 - stats.host_hits
+    host.check_integrity()
+    assert host.num_cached > 0 and host.num_used == 0
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_metrics_snapshot_reports_the_prefix_cache(tiny_llama_dir):
@@ -55,12 +89,40 @@ def test_metrics_snapshot_reports_the_prefix_cache(tiny_llama_dir):
     assert snap["prefix_cache_hits"] == stats.hits > 0
     assert snap["prefix_cache_hit_rate"] == pytest.approx(stats.hits / stats.queries)
     assert snap["prefix_cache_blocks"] == engine.block_manager.num_cached_blocks > 0
+    assert snap["prefix_cache_host_hits"] == stats.host_hits
+    host = engine.scheduler.swap_space
+    assert snap["prefix_cache_host_blocks"] == host.num_cached
+    assert snap["prefix_cache_host_evictions"] == host.num_evictions
     from jaxserve.serving.prometheus import PrometheusExporter
 
     exporter = PrometheusExporter()
     exporter.update(engine)
     text = exporter.render().decode()
     assert f"jaxserve_prefix_cache_hits_total {float(stats.hits)}" in text
+    assert f"jaxserve_prefix_cache_host_hits_total {float(stats.host_hits)}" in text
+
+
+def test_the_engine_logs_the_hit_rate_as_vllm_does(tiny_llama_dir, caplog):
+    """Every log_stats_interval_s while requests run: throughput, queues, KV usage and the
+    prefix cache hit rate of the lookups in the interval."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="jaxserve.engine.llm_engine")
+    engine = make_engine(tiny_llama_dir, log_stats_interval_s=1e-9)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for rid in ("a", "b"):  # b finds a's two full blocks
+        engine.add_request(rid, prompt_token_ids=SYSTEM[:32] + [5], params=params)
+        run_all(engine)
+    lines = [r.getMessage() for r in caplog.records if "Prefix cache hit rate" in r.getMessage()]
+    assert lines and all("Avg generation throughput" in x for x in lines)
+    rate = 100 * 32 / 33
+    assert any(f"Prefix cache hit rate: {rate:.1f}% (device {rate:.1f}%, host 0.0%)" in x
+               for x in lines), lines
+    caplog.clear()
+    quiet = make_engine(tiny_llama_dir, log_stats_interval_s=0)
+    quiet.add_request("c", prompt_token_ids=[1, 2, 3], params=params)
+    run_all(quiet)
+    assert not [r for r in caplog.records if "Prefix cache" in r.getMessage()]
 
 
 def test_requests_share_cached_blocks_only_under_the_same_salt(tiny_llama_dir):

@@ -63,6 +63,39 @@ def test_smollm_matches_hf_greedy(smollm, hf_smollm, async_scheduling):
         assert got[f"r{i}"] == want, f"prompt {i} ({PROMPTS[i]!r}) differs from HF"
 
 
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, and say so when "
+          "you do not know. Question: ")
+_HF_CACHE: dict[tuple[int, ...], list[int]] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool, budget, mode", [
+    (128, 64, "recompute"),  # room for everything: prefixes stay on the device
+    (14, 16, "recompute"),  # preemption, 16-token chunks cutting through cached blocks, host tier
+    (14, 16, "swap"),
+])
+def test_smollm_matches_hf_with_prefix_caching(smollm, hf_smollm, pool, budget, mode):
+    """Prompts sharing a system prompt, prefix caching on (the default): every greedy token
+    equals HF's, while later prompts take the shared blocks from the cache."""
+    ids = [smollm.tokenizer(SYSTEM + p).input_ids for p in PROMPTS]
+    engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=budget,
+                                    max_model_len=256, num_kv_blocks=pool,
+                                    preemption_mode=mode), loaded=smollm)
+    assert engine.config.enable_prefix_caching
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = run_staggered(engine, ids, params, arrivals=[0, 3, 3, 4, 6, 8, 9, 14])
+    stats = engine.block_manager.stats
+    assert stats.hits >= 6 * engine.config.block_size, stats  # later prompts share the prefix
+    if pool < 128:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
+    for i, prompt_ids in enumerate(ids):
+        key = tuple(prompt_ids)
+        if key not in _HF_CACHE:
+            _HF_CACHE[key] = hf_greedy(hf_smollm, prompt_ids, NEW_TOKENS)
+        assert got[f"r{i}"] == _HF_CACHE[key], f"prompt {i} ({PROMPTS[i]!r}) differs from HF"
+
+
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
