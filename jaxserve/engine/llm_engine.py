@@ -264,6 +264,7 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             self._in_flight = None
             outputs += self._complete(launched)
+        self.runner.flush_host_copies()  # land its spills (their gathers ran before the step)
         if self.stat_logger is not None and (line := self.stat_logger.poll(
                 self.metrics_snapshot)):
             logger.info("%s", line)

@@ -67,6 +67,7 @@ class HostSwapPool:
         self.k = np.zeros(shape, dtype)
         self.v = np.zeros(shape, dtype)
         self._gather = jax.jit(lambda kv, ids: (kv.k[:, ids], kv.v[:, ids]))
+        self._pending: list[tuple[list[int], jax.Array, jax.Array]] = []  # copies in flight
         self._scatter = jax.jit(
             lambda kv, ids, k, v: KVCache(kv.k.at[:, ids].set(k, mode="drop"),
                                           kv.v.at[:, ids].set(v, mode="drop")),
@@ -98,13 +99,24 @@ class HostSwapPool:
         return kv
 
     def swap_out(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> None:
-        """Copy device blocks to the host pool (before the step that may reuse them)."""
+        """Copy device blocks to the host pool (before the step that may reuse them). The
+        gather is launched now, ahead of that step; the host waits for its result only at
+        `flush()`, so a spill does not stall the scheduling of a step."""
         for dev, host in self._chunks(device_ids, host_ids):
             k, v = self._gather(kv, self._padded(dev))
-            self.k[:, host] = np.asarray(k)[:, :len(dev)]
-            self.v[:, host] = np.asarray(v)[:, :len(dev)]
+            k.copy_to_host_async()
+            v.copy_to_host_async()
+            self._pending.append((host, k, v))
+
+    def flush(self) -> None:
+        """Land the launched device->host copies in the host arrays, in launch order."""
+        for host, k, v in self._pending:
+            self.k[:, host] = np.asarray(k)[:, :len(host)]
+            self.v[:, host] = np.asarray(v)[:, :len(host)]
+        self._pending.clear()
 
     def swap_in(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> KVCache:
+        self.flush()  # a block may come back in the step that spilled it
         for dev, host in self._chunks(device_ids, host_ids):
             ids = self._padded(dev)
             shape = (self.k.shape[0], len(ids), *self.k.shape[2:])

@@ -165,6 +165,10 @@ class ModelRunner:
     def swap_in(self, device_ids: list[int], host_ids: list[int]) -> None:
         self.kv = self.host_pool.swap_in(self.kv, device_ids, host_ids)
 
+    def flush_host_copies(self) -> None:
+        if self.host_pool is not None:
+            self.host_pool.flush()
+
     # -------------------------------------------------------------------------------- execute
 
     def dispatch(self, inp: StepInputs) -> SamplerOutput:
