@@ -7,7 +7,13 @@ import tempfile
 
 import pytest
 
-from jaxserve.runtime import compile_cache
+# Four CPU devices for the tensor-parallel tests (set before jax is imported; a single-device
+# engine still runs on the first). A flag given from outside wins.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
+
+from jaxserve.runtime import compile_cache  # noqa: E402
 
 # Many tests build engines over the same model; identical programs then come from the cache,
 # kept apart from the user's own cache.

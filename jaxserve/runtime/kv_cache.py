@@ -25,9 +25,12 @@ class KVCache:
     v: jax.Array  # (L, P, B, K, H)
 
     @staticmethod
-    def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KVCache:
+    def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
+               sharding=None) -> KVCache:
+        """Zeroed pages, made in place on `sharding`'s devices when given (never whole on one)."""
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return KVCache(k=jnp.zeros(shape, dtype, device=sharding),
+                       v=jnp.zeros(shape, dtype, device=sharding))
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:

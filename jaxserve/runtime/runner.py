@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.runtime import compile_cache
+from jaxserve.runtime import compile_cache, sharding
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import SamplerOutput, sample
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
@@ -70,18 +70,47 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         self.config = config
         self.compilation_cache_dir = compile_cache.enable(config.compilation_cache_dir)
-        self.model_config = mc = loaded.config
         self.dtype = resolve_dtype(config.dtype)
         self.attention_backend, attn_fn = select_attention(config.attention_backend)
         scan = config.layer_loop is LayerLoop.SCAN
+        tp = self.tensor_parallel_size = config.tensor_parallel_size
+        mc, params = loaded.config, loaded.params
+        self.mesh = None
+        if tp > 1:  # runtime/sharding.py: heads laid out over the mesh, attention per device
+            self.mesh = sharding.make_mesh(tp)
+            self.head_layout = sharding.HeadLayout.plan(mc, tp)
+            mc, params = sharding.relayout(mc, params, self.head_layout)
+            attn_fn = sharding.shard_attention(attn_fn, self.mesh)
+        self.model_config = mc  # heads as laid out (padded or replicated under TP)
         self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype),
-                                   layout_params(loaded.params, mc.num_layers, scan))
+        params = jax.tree.map(lambda a: np.asarray(a, self.dtype),
+                              layout_params(params, mc.num_layers, scan))
         self.block_size = config.block_size
         per_block = bytes_per_block(mc, config.block_size, self.dtype)
+        # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
-            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction) // per_block)
-        self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
+            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction) // (per_block // tp))
+        if self.mesh is None:
+            self.params = jax.tree.map(jnp.asarray, params)
+            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
+            jit_kw = {}
+        else:
+            specs = sharding.param_specs(params, mc.vocab_size, tp)
+            self.params = jax.device_put(params, sharding.named(self.mesh, specs))
+            kv_sharding = sharding.named(self.mesh, sharding.KV_SPEC)
+            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype,
+                                     kv_sharding)
+            rep = sharding.named(self.mesh, sharding.P())
+            jit_kw = {"in_shardings": (sharding.named(self.mesh, specs), kv_sharding, rep, rep),
+                      "out_shardings": (kv_sharding, rep, rep)}
+            dev = self.mesh.devices.flat[0]
+            logger.info("tensor parallel: mesh %s over %s; %s; per device: params %.1f MiB, "
+                        "KV pool %.1f MiB (%d blocks of %d tokens)", dict(self.mesh.shape),
+                        [str(d) for d in self.mesh.devices.flat],
+                        self.head_layout.describe(loaded.config, tp),
+                        sharding.bytes_on_device(self.params, dev) / 2**20,
+                        sharding.bytes_on_device(self.kv, dev) / 2**20, self.num_blocks,
+                        self.block_size)
         # The host pool serves swap preemption and the prefix cache's host tier.
         uses_host = (config.preemption_mode is PreemptionMode.SWAP
                      or config.enable_prefix_caching)
@@ -91,8 +120,9 @@ class ModelRunner:
                           if self.num_host_blocks else None)
         self.buckets = config.buckets()
         self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
-                               donate_argnums=(1,))
-        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32)
+                               donate_argnums=(1,), **jit_kw)
+        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32,
+                                      device=jit_kw["out_shardings"][2] if jit_kw else None)
         self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
@@ -111,6 +141,11 @@ class ModelRunner:
             k, v, logits = self.model.apply({"params": params}, ids, kv.k, kv.v, inp.attn,
                                             inp.logits_indices)
             kv = KVCache(k, v)
+            if self.mesh is not None:
+                # Compute the logits split by vocabulary, then gather them once: left split,
+                # the sampler's sorts and reductions gather them 3 times; asked for replicated
+                # logits alone, XLA gathers the (V, D) embedding instead (measured).
+                logits = sharding.gather_once(logits, self.mesh)
         with jax.named_scope("sample"):
             out = sample(logits, inp.sampling, max_logprobs)
         next_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens[:, 0])

@@ -1,0 +1,173 @@
+"""Tensor parallelism: the device mesh, the Megatron layout of the params and the KV pool, and
+attention run per device on its own heads.
+
+One mesh axis, `model`, of `tensor_parallel_size` devices. Column-parallel: q/k/v split by heads,
+gate/up by intermediate columns; row-parallel: o by heads and down by intermediate rows, whose
+partial sums XLA all-reduces; embedding and LM head split by vocabulary (the embedding lookup
+and the sampler's reductions over the vocabulary run sharded; only (S,) results are gathered).
+The KV pool is split on its kv-head axis, and the attention kernel (any backend) runs inside
+`shard_map` on each device's heads, so a kernel never sees another device's pages.
+
+Heads must split evenly. When the kv-head count K does not divide by TP (tp):
+- tp a multiple of K: each kv head is replicated tp / K times (as vLLM does), so every device
+  holds the one kv head its query heads read;
+- otherwise: the query groups are padded with all-zero groups up to a multiple of tp. A zero
+  group's queries, keys and values are 0 and its rows of the output projection are 0, so it adds
+  exactly nothing. (9 query / 3 kv heads at tp = 2: 4 groups of 3, 12 query heads.)
+Either costs memory (replicated or padded K/V and weights); the startup log says which applies.
+The engine's jitted step stays one program per bucket: XLA's SPMD partitioner inserts the
+collectives from these shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+AXIS = "model"
+Q_SPEC = P(None, AXIS, None)  # q / attention output (T, N, H): split by head
+KV_SPEC = P(None, None, None, AXIS, None)  # the pool (L, P, B, K, H): split by kv head
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """How the model's heads are laid out over `tp` devices."""
+
+    num_heads: int  # query heads after padding
+    num_kv_heads: int  # kv heads after replication or padding
+    kv_replicas: int  # copies of each kv head (1: none)
+    pad_groups: int  # all-zero query groups appended (0: none)
+
+    @staticmethod
+    def plan(cfg: ModelConfig, tp: int) -> HeadLayout:
+        n, k = cfg.num_heads, cfg.num_kv_heads
+        if k % tp == 0 and n % tp == 0:
+            return HeadLayout(n, k, 1, 0)
+        if tp % k == 0 and n % tp == 0:
+            return HeadLayout(n, tp, tp // k, 0)
+        groups = -(-k // tp) * tp
+        return HeadLayout(groups * (n // k), groups, 1, groups - k)
+
+    def describe(self, cfg: ModelConfig, tp: int) -> str:
+        if self.kv_replicas > 1:
+            return (f"{cfg.num_kv_heads} kv heads replicated {self.kv_replicas}x to "
+                    f"{self.num_kv_heads} for tensor_parallel_size={tp}")
+        if self.pad_groups:
+            return (f"{cfg.num_heads} query / {cfg.num_kv_heads} kv heads padded with "
+                    f"{self.pad_groups} zero group(s) to {self.num_heads} / {self.num_kv_heads} "
+                    f"for tensor_parallel_size={tp}")
+        return f"heads split evenly ({cfg.num_heads // tp} query, {cfg.num_kv_heads // tp} kv " \
+               f"per device)"
+
+
+def make_mesh(tp: int) -> Mesh:
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; this process sees "
+                         f"{len(devices)} ({devices[0].platform})")
+    return Mesh(np.asarray(devices[:tp]), (AXIS,))
+
+
+def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelConfig, dict]:
+    """The loader's (stacked) params and config with the heads of `layout`."""
+    if layout.kv_replicas == 1 and not layout.pad_groups:
+        return cfg, params
+    layers = dict(params["layers"])
+    if layout.kv_replicas > 1:
+        for name, axis in (("wk", 2), ("wv", 2), ("bk", 1), ("bv", 1)):
+            if name in layers:
+                layers[name] = np.repeat(np.asarray(layers[name]), layout.kv_replicas, axis=axis)
+    else:
+        g = cfg.num_heads // cfg.num_kv_heads
+        pad_q, pad_kv = layout.pad_groups * g, layout.pad_groups
+        for name, axis, pad in (("wq", 2, pad_q), ("wk", 2, pad_kv), ("wv", 2, pad_kv),
+                                ("wo", 1, pad_q), ("bq", 1, pad_q), ("bk", 1, pad_kv),
+                                ("bv", 1, pad_kv)):
+            if name in layers:
+                a = np.asarray(layers[name])
+                widths = [(0, 0)] * a.ndim
+                widths[axis] = (0, pad)
+                layers[name] = np.pad(a, widths)
+    cfg = dataclasses.replace(cfg, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
+    return cfg, {**params, "layers": layers}
+
+
+# Specs of one layer's params (no layer axis), by name.
+_LAYER_SPECS = {
+    "wq": P(None, AXIS, None), "wk": P(None, AXIS, None), "wv": P(None, AXIS, None),
+    "bq": P(AXIS, None), "bk": P(AXIS, None), "bv": P(AXIS, None),
+    "wo": P(AXIS, None, None),
+    "w_gate": P(None, AXIS), "w_up": P(None, AXIS), "w_down": P(AXIS, None),
+}
+
+
+def param_specs(params: dict, vocab_size: int, tp: int) -> dict:
+    """A PartitionSpec per param leaf, for the stacked ("layers") or unrolled ("layers_i")
+    layout. The vocabulary is split only when it divides by tp (else replicated)."""
+    vocab = AXIS if vocab_size % tp == 0 else None
+
+    def layer(tree, stacked):
+        out = {}
+        for name, leaf in tree.items():
+            if isinstance(leaf, dict):  # norms
+                out[name] = jax.tree.map(lambda _: P(), leaf)
+                continue
+            spec = _LAYER_SPECS[name]
+            out[name] = P(None, *spec) if stacked else spec
+        return out
+
+    specs = {}
+    for name, leaf in params.items():
+        if name == "layers":
+            specs[name] = layer(leaf, True)
+        elif name.startswith("layers_"):
+            specs[name] = layer(leaf, False)
+        elif name == "embed":
+            specs[name] = P(vocab, None)
+        elif name == "lm_head":
+            specs[name] = P(None, vocab)
+        else:
+            specs[name] = jax.tree.map(lambda _: P(), leaf)
+    return specs
+
+
+def shard_attention(attn_fn, mesh: Mesh):
+    """`attn_fn` run per device on its heads: q split by head, the pool by kv head, the
+    metadata replicated; each device's output is its own heads."""
+
+    def per_device(q, k_pool, v_pool, layer, md):
+        if isinstance(layer, int):  # unrolled layers pass a static index: keep it static
+            return jax.shard_map(lambda q, k, v, md: attn_fn(q, k, v, layer, md), mesh=mesh,
+                                 in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, P()), out_specs=Q_SPEC,
+                                 check_vma=False)(q, k_pool, v_pool, md)
+        return jax.shard_map(attn_fn, mesh=mesh, in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, P(), P()),
+                             out_specs=Q_SPEC, check_vma=False)(q, k_pool, v_pool, layer, md)
+
+    return per_device
+
+
+def gather_once(logits: jax.Array, mesh: Mesh) -> jax.Array:
+    """(S, V) logits computed split by vocabulary, then gathered whole onto every device."""
+    split = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, AXIS)))
+    return jax.lax.with_sharding_constraint(split, NamedSharding(mesh, P()))
+
+
+def named(mesh: Mesh, specs):
+    """PartitionSpecs (a tree) -> NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def bytes_on_device(tree, device) -> int:
+    """Bytes of `tree`'s arrays that live on `device`."""
+    return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards
+               if s.device == device)
