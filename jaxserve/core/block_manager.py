@@ -150,10 +150,7 @@ class BlockManager:
         tier (before any step reads them): register them and count them computed."""
         names = self.matchable_names(seq)
         for i in range(start, len(seq.block_table)):
-            b, h = seq.block_table[i], names[i]
-            if h not in self.cached:  # else the device holds another copy already
-                self.hash_of[b] = h
-                self.cached[h] = b
+            self._register(seq.block_table[i], names[i])
         loaded = (len(seq.block_table) - start) * self.block_size
         seq.num_cached_blocks = len(seq.block_table)
         seq.num_computed_tokens += loaded
@@ -170,13 +167,16 @@ class BlockManager:
             return
         hashes = self._hashes(seq, full)
         for i in range(seq.num_cached_blocks, full):
-            b, h = seq.block_table[i], hashes[i]
-            if self.hash_of[b] is None and h not in self.cached:
-                self.hash_of[b] = h
-                self.cached[h] = b
-            # else: an equal block was computed by another sequence at the same time; this
-            # copy stays unregistered and is simply freed later.
+            self._register(seq.block_table[i], hashes[i])
         seq.num_cached_blocks = full
+
+    def _register(self, b: int, h: BlockHash) -> None:
+        """Name block `b` `h`, unless it has a name or another block holds `h` (an equal block
+        computed at the same time, or already on the device: this copy stays unnamed and is
+        simply freed later)."""
+        if self.hash_of[b] is None and h not in self.cached:
+            self.hash_of[b] = h
+            self.cached[h] = b
 
     def forget(self, seq: Sequence) -> None:
         """Unregister the blocks only `seq` holds (its step failed: their contents are not to

@@ -79,8 +79,7 @@ class SwapSpace:
             hid = self.cached.get(name)
             if hid is None:
                 break
-            if hid in self.lru:
-                self.lru.move_to_end(hid)
+            self._touch(hid)
             ids.append(hid)
         return ids
 
@@ -89,8 +88,7 @@ class SwapSpace:
         it already, or has no room (every block is held or pinned)."""
         hid = self.cached.get(name)
         if hid is not None:
-            if hid in self.lru:
-                self.lru.move_to_end(hid)
+            self._touch(hid)
             return None
         if not self.can_hold(1):
             return None
@@ -98,6 +96,11 @@ class SwapSpace:
         self.cached[name] = hid
         self.lru[hid] = name
         return hid
+
+    def _touch(self, hid: int) -> None:
+        """Mark a cached block most recently used (a pinned one is not in the LRU)."""
+        if hid in self.lru:
+            self.lru.move_to_end(hid)
 
     def pin(self, ids: list[int]) -> list[BlockHash]:
         """Make cached blocks unevictable (a copy out of them is being planned)."""

@@ -93,7 +93,7 @@ class ModelRunner:
         if self.mesh is None:
             self.params = jax.tree.map(jnp.asarray, params)
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
-            jit_kw = {}
+            jit_kw, rep = {}, None
         else:
             specs = sharding.param_specs(params, mc.vocab_size, tp)
             self.params = jax.device_put(params, sharding.named(self.mesh, specs))
@@ -121,8 +121,7 @@ class ModelRunner:
         self.buckets = config.buckets()
         self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
                                donate_argnums=(1,), **jit_kw)
-        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32,
-                                      device=jit_kw["out_shardings"][2] if jit_kw else None)
+        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
         self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)

@@ -3,8 +3,8 @@ attention run per device on its own heads.
 
 One mesh axis, `model`, of `tensor_parallel_size` devices. Column-parallel: q/k/v split by heads,
 gate/up by intermediate columns; row-parallel: o by heads and down by intermediate rows, whose
-partial sums XLA all-reduces; embedding and LM head split by vocabulary (the embedding lookup
-and the sampler's reductions over the vocabulary run sharded; only (S,) results are gathered).
+partial sums XLA all-reduces; embedding and LM head split by vocabulary (the lookup's partial
+rows are all-reduced; the (S, V) logits are computed split and gathered once for the sampler).
 The KV pool is split on its kv-head axis, and the attention kernel (any backend) runs inside
 `shard_map` on each device's heads, so a kernel never sees another device's pages.
 
@@ -22,7 +22,6 @@ collectives from these shardings.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import jax
 import numpy as np
@@ -30,8 +29,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 AXIS = "model"
 Q_SPEC = P(None, AXIS, None)  # q / attention output (T, N, H): split by head
@@ -82,21 +79,18 @@ def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelC
     if layout.kv_replicas == 1 and not layout.pad_groups:
         return cfg, params
     layers = dict(params["layers"])
-    if layout.kv_replicas > 1:
-        for name, axis in (("wk", 2), ("wv", 2), ("bk", 1), ("bv", 1)):
-            if name in layers:
-                layers[name] = np.repeat(np.asarray(layers[name]), layout.kv_replicas, axis=axis)
-    else:
-        g = cfg.num_heads // cfg.num_kv_heads
-        pad_q, pad_kv = layout.pad_groups * g, layout.pad_groups
-        for name, axis, pad in (("wq", 2, pad_q), ("wk", 2, pad_kv), ("wv", 2, pad_kv),
-                                ("wo", 1, pad_q), ("bq", 1, pad_q), ("bk", 1, pad_kv),
-                                ("bv", 1, pad_kv)):
-            if name in layers:
-                a = np.asarray(layers[name])
-                widths = [(0, 0)] * a.ndim
-                widths[axis] = (0, pad)
-                layers[name] = np.pad(a, widths)
+    pad_q = layout.pad_groups * (cfg.num_heads // cfg.num_kv_heads)
+    for name in _Q_PARAMS + _KV_PARAMS:
+        if name not in layers:
+            continue
+        a = np.asarray(layers[name])
+        axis = _head_axis(name)
+        if name in _KV_PARAMS and layout.kv_replicas > 1:
+            layers[name] = np.repeat(a, layout.kv_replicas, axis=axis)
+        elif layout.pad_groups:
+            widths = [(0, 0)] * a.ndim
+            widths[axis] = (0, pad_q if name in _Q_PARAMS else layout.pad_groups)
+            layers[name] = np.pad(a, widths)
     cfg = dataclasses.replace(cfg, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
     return cfg, {**params, "layers": layers}
 
@@ -108,6 +102,13 @@ _LAYER_SPECS = {
     "wo": P(AXIS, None, None),
     "w_gate": P(None, AXIS), "w_up": P(None, AXIS), "w_down": P(AXIS, None),
 }
+_Q_PARAMS = ("wq", "bq", "wo")  # indexed by query head
+_KV_PARAMS = ("wk", "wv", "bk", "bv")  # indexed by kv head
+
+
+def _head_axis(name: str) -> int:
+    """The head axis of a stacked layer param: where its spec splits, after the layer axis."""
+    return 1 + tuple(_LAYER_SPECS[name]).index(AXIS)
 
 
 def param_specs(params: dict, vocab_size: int, tp: int) -> dict:
