@@ -1,4 +1,5 @@
-"""Command line: `python -m jaxserve generate "prompt" [--max-tokens N] [--temperature T]`."""
+"""Command line: `python -m jaxserve generate "prompt" [--max-tokens N] [--temperature T]`, and
+`python -m jaxserve launch --num-processes N -- SCRIPT ARGS` (one engine over N processes)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,22 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--dtype", default="auto")
+    launch = sub.add_parser("launch", help="run a script (e.g. scripts/serve.py) as N processes "
+                                           "of one engine on this machine")
+    launch.add_argument("--num-processes", type=int, required=True)
+    launch.add_argument("--cpu-devices-per-process", type=int, default=None,
+                        help="on a CPU: devices to force in each process")
+    launch.add_argument("--coordinator-port", type=int, default=None,
+                        help="port of process 0's coordination service (default: a free one)")
+    launch.add_argument("script", nargs=argparse.REMAINDER,
+                        help="-- then the script and its arguments")
     args = ap.parse_args(argv)
+    if args.command == "launch":
+        from jaxserve.launch import launch as run
+
+        script = args.script[1:] if args.script[:1] == ["--"] else args.script
+        return run(args.num_processes, script, args.cpu_devices_per_process,
+                   args.coordinator_port)
 
     from jaxserve import EngineConfig, LLMEngine, SamplingParams
 

@@ -71,6 +71,10 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1, "devices each step's model is split over (Megatron layout on a mesh axis 'model': "
            "heads, MLP columns/rows and vocabulary; the KV pool by kv head)")
+    data_parallel_size: int = option(
+        1, "independent engine replicas, each on its own group of tensor_parallel_size "
+           "devices, behind one front; a router sends each request to the replica holding "
+           "its prompt's prefix, else to the least-loaded one")
     strict_compile: bool = option(False, "raise if any program compiles after warmup()")
     async_scheduling: bool | None = option(
         None, "overlap host and device: schedule and launch step N+1 before step N's tokens "
@@ -127,7 +131,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(k.value for k in kind)}, "
                                  f"got {value!r}") from None
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                    "kv_cache_memory_bytes", "tensor_parallel_size")
+                    "kv_cache_memory_bytes", "tensor_parallel_size", "data_parallel_size")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:

@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     if wcfg.turns > 1 and (args.server or args.compare):
         raise SystemExit("--turns > 1 runs in process only (the next turn needs the answer): "
                          "drop --server/--compare")
+    if args.data_parallel_size > 1 and not args.server:
+        raise SystemExit("--data-parallel-size > 1 runs behind a front: start scripts/serve.py "
+                         "with it and bench it with --server")
     loaded = None if args.server else load_model(args.model)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
 

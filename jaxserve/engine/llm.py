@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine import data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 
 
@@ -16,12 +18,30 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     `model=None` serves the bundled SmolLM2-135M-Instruct; other keyword arguments are
-    `EngineConfig` fields (max_num_seqs, max_num_batched_tokens, dtype, ...).
+    `EngineConfig` fields (max_num_seqs, max_num_batched_tokens, dtype, ...). With
+    `data_parallel_size` > 1 there is one engine per replica (`engines`), each prompt goes
+    where the router sends it and the replicas step on threads of their own; `engine` is the
+    first replica.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._use(data_parallel.build_replicas(EngineConfig(model=model, **engine_args)))
+
+    @classmethod
+    def from_engines(cls, engines: list[LLMEngine]) -> LLM:
+        """An LLM over engines built elsewhere (one, or the replicas of build_replicas)."""
+        llm = cls.__new__(cls)
+        llm._use(engines)
+        return llm
+
+    def _use(self, engines: list[LLMEngine]) -> None:
+        self.engines = engines
+        self.router = data_parallel.make_router(engines)
         self._next_id = 0
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.engines[0]
 
     @property
     def tokenizer(self):
@@ -43,29 +63,46 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
-        ids = []
+        ids: list[str] = []
+        placed: list[list[str]] = [[] for _ in self.engines]  # request ids per replica
         try:
             for prompt, params in zip(prompts, sampling_params, strict=True):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
-                if isinstance(prompt, str):
-                    self.engine.add_request(rid, prompt, params)
-                else:
-                    self.engine.add_request(rid, prompt_token_ids=list(prompt), params=params)
+                text = prompt if isinstance(prompt, str) else None
+                token_ids = self.engine.prompt_ids(text, None if text else list(prompt))
+                i = self.router.route(rid, token_ids)
+                try:
+                    self.engines[i].add_request(rid, text, params, prompt_token_ids=token_ids)
+                except ValueError:
+                    self.router.finished(rid)
+                    raise
                 ids.append(rid)
+                placed[i].append(rid)
         except ValueError as e:
-            for rid in ids:  # all or nothing: the prompts already queued are withdrawn
-                self.engine.abort(rid)
-            self.engine.step()  # drain their abort outputs
+            for engine, rids in zip(self.engines, placed, strict=True):
+                for rid in rids:  # all or nothing: the prompts already queued are withdrawn
+                    engine.abort(rid)
+                    self.router.finished(rid)
+                engine.step()  # drain their abort outputs
             raise ValueError(f"prompt {len(ids)}: {e}") from e
-        return self._run(ids, use_tqdm)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted, done = set(ids), {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
+            busy = [(e, rids) for e, rids in zip(self.engines, placed, strict=True) if rids]
+            if len(busy) == 1:
+                done = self._run(*busy[0], bar)
+            else:  # a thread per replica: each steps at its own pace, on its own devices
+                with concurrent.futures.ThreadPoolExecutor(len(busy)) as pool:
+                    done = {}
+                    for part in pool.map(lambda b: self._run(*b, bar), busy):
+                        done.update(part)
         return [done[i] for i in ids]
+
+    def _run(self, engine: LLMEngine, ids: list[str], bar) -> dict[str, RequestOutput]:
+        wanted, done = set(ids), {}
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    self.router.finished(out.request_id)
+                    bar.update(1)
+        return done

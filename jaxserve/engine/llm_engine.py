@@ -75,12 +75,14 @@ class QueueFullError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 **kwargs):
+                 devices: list[jax.Device] | None = None, **kwargs):
+        """`devices`: the device group this engine runs on (default: the first
+        tensor_parallel_size devices); engine/data_parallel.py gives each replica its own."""
         self.config = config = config or EngineConfig(**kwargs)
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(config, self.loaded)
+        self.runner = ModelRunner(config, self.loaded, devices)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -135,7 +137,7 @@ class LLMEngine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         check_salt(cache_salt)
-        ids = self._prompt_ids(prompt, prompt_token_ids)
+        ids = self.prompt_ids(prompt, prompt_token_ids)
         if params.max_tokens is None:  # the rest of the context, as far as the pool holds it
             room = min(self.config.max_model_len,
                        self.block_manager.num_blocks * self.config.block_size) - len(ids)
@@ -158,7 +160,9 @@ class LLMEngine:
         self._prompts[request_id] = prompt
         self.scheduler.add(seq)
 
-    def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+    def prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+        """The token ids a request runs (its prompt tokenized, or its ids checked); raises
+        ValueError naming the field."""
         if prompt is None and prompt_token_ids is None:
             raise ValueError("give prompt or prompt_token_ids")
         if prompt is not None and not isinstance(prompt, str):
@@ -239,6 +243,10 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def idle(self) -> None:
+        """Called by a loop with nothing to step (see runtime/distributed.py)."""
+        self.runner.keepalive()
 
     def warmup(self) -> float:
         return self.runner.warmup()

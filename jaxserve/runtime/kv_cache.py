@@ -38,10 +38,13 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def pool_bytes(memory_bytes: int, memory_fraction: float | None) -> int:
-    """Bytes for the KV pool: `memory_fraction` of device memory (less what is in use, i.e. the
-    params) when asked and the device reports memory statistics, else `memory_bytes`."""
-    stats = jax.devices()[0].memory_stats() if memory_fraction is not None else None
+def pool_bytes(memory_bytes: int, memory_fraction: float | None,
+               device: jax.Device | None = None) -> int:
+    """Bytes for the KV pool on `device` (default: the first): `memory_fraction` of its memory
+    (less what is in use, i.e. the params) when asked and the device reports memory
+    statistics, else `memory_bytes`."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if memory_fraction is not None else None
     if not stats or "bytes_limit" not in stats:
         if memory_fraction is not None:
             logger.warning("device reports no memory statistics; using "

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.runtime import compile_cache, sharding
+from jaxserve.runtime import compile_cache, distributed, sharding
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import SamplerOutput, sample
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
@@ -67,17 +67,21 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 devices: list[jax.Device] | None = None):
+        """`devices`: the tensor_parallel_size devices this runner's model and pool live on
+        (default: the first ones; a data-parallel replica gets its own group)."""
         self.config = config
         self.compilation_cache_dir = compile_cache.enable(config.compilation_cache_dir)
         self.dtype = resolve_dtype(config.dtype)
         self.attention_backend, attn_fn = select_attention(config.attention_backend)
         scan = config.layer_loop is LayerLoop.SCAN
         tp = self.tensor_parallel_size = config.tensor_parallel_size
+        self.devices = sharding.device_group(devices, tp)
         mc, params = loaded.config, loaded.params
         self.mesh = None
         if tp > 1:  # runtime/sharding.py: heads laid out over the mesh, attention per device
-            self.mesh = sharding.make_mesh(tp)
+            self.mesh = sharding.make_mesh(self.devices)
             self.head_layout = sharding.HeadLayout.plan(mc, tp)
             mc, params = sharding.relayout(mc, params, self.head_layout)
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
@@ -89,11 +93,13 @@ class ModelRunner:
         per_block = bytes_per_block(mc, config.block_size, self.dtype)
         # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
-            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction) // (per_block // tp))
-        if self.mesh is None:
-            self.params = jax.tree.map(jnp.asarray, params)
-            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype)
-            jit_kw, rep = {}, None
+            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.devices[0])
+            // (per_block // tp))
+        if self.mesh is None:  # committed to its device: the jitted step runs where they live
+            rep = jax.sharding.SingleDeviceSharding(self.devices[0])
+            self.params = jax.device_put(params, rep)
+            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype, rep)
+            jit_kw = {}
         else:
             specs = sharding.param_specs(params, mc.vocab_size, tp)
             self.params = jax.device_put(params, sharding.named(self.mesh, specs))
@@ -103,7 +109,7 @@ class ModelRunner:
             rep = sharding.named(self.mesh, sharding.P())
             jit_kw = {"in_shardings": (sharding.named(self.mesh, specs), kv_sharding, rep, rep),
                       "out_shardings": (kv_sharding, rep, rep)}
-            dev = self.mesh.devices.flat[0]
+            dev = next(d for d in self.devices if d.process_index == jax.process_index())
             logger.info("tensor parallel: mesh %s over %s; %s; per device: params %.1f MiB, "
                         "KV pool %.1f MiB (%d blocks of %d tokens)", dict(self.mesh.shape),
                         [str(d) for d in self.mesh.devices.flat],
@@ -111,9 +117,16 @@ class ModelRunner:
                         sharding.bytes_on_device(self.params, dev) / 2**20,
                         sharding.bytes_on_device(self.kv, dev) / 2**20, self.num_blocks,
                         self.block_size)
+        # Across processes (runtime/distributed.py) the leader broadcasts each step first.
+        self.multiprocess = jax.process_count() > 1
+        self.broadcast = (distributed.StepBroadcast(self._dummy_inputs)
+                          if self.multiprocess else None)
+        if self.multiprocess and config.preemption_mode is PreemptionMode.SWAP:
+            raise ValueError("preemption_mode=swap is not available across processes (the "
+                             "host pool would be split between them); use recompute")
         # The host pool serves swap preemption and the prefix cache's host tier.
         uses_host = (config.preemption_mode is PreemptionMode.SWAP
-                     or config.enable_prefix_caching)
+                     or config.enable_prefix_caching) and not self.multiprocess
         self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
         self.host_pool = (HostSwapPool(mc, self.num_host_blocks, self.num_blocks,
                                        self.block_size, self.dtype)
@@ -156,9 +169,12 @@ class ModelRunner:
         tok, seq, blk = self.buckets
         return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
 
+    def _dummy_inputs(self, bucket: tuple[int, int, int]) -> StepInputs:
+        return dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
+
     def _lower(self, bucket: tuple[int, int, int]) -> jax.stages.Lowered:
-        dummy = dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
-        return self._jitted.lower(self.params, self.kv, self._last_tokens, dummy)
+        return self._jitted.lower(self.params, self.kv, self._last_tokens,
+                                  self._dummy_inputs(bucket))
 
     def _compile(self, bucket: tuple[int, int, int]) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
@@ -207,20 +223,63 @@ class ModelRunner:
 
     def dispatch(self, inp: StepInputs) -> SamplerOutput:
         """Launch one step; returns its device output without waiting for it."""
+        if self.broadcast is None:
+            return self._launch(inp)
+        try:  # the leader of several processes: they all run it, from the same inputs
+            self.broadcast.send_step(inp)
+            return self._launch(inp)
+        except Exception as e:  # noqa: BLE001 - the processes cannot run on out of step
+            distributed.fatal("a step", e)
+
+    def _launch(self, inp: StepInputs) -> SamplerOutput:
         exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
         self.kv, out, self._last_tokens = exe(self.params, self.kv, self._last_tokens, inp)
         return out
 
-    @staticmethod
-    def fetch(out: SamplerOutput, want_logprobs: bool) -> StepOutput:
-        """Wait for a dispatched step and bring its tokens (and logprobs if asked) to the host."""
-        result = StepOutput(np.asarray(out.tokens), np.asarray(out.num_tokens))
-        if want_logprobs:
-            result.logprobs = np.asarray(out.logprobs)
-            result.top_ids = np.asarray(out.top_ids)
-            result.top_logprobs = np.asarray(out.top_logprobs)
-        return result
+    def fetch(self, out: SamplerOutput, want_logprobs: bool) -> StepOutput:
+        """Wait for a dispatched step and bring its tokens (and logprobs if asked) to the host.
+        The outputs are replicated: this process's first copy is the whole of each."""
+        try:
+            host = lambda x: np.asarray(x.addressable_data(0))
+            result = StepOutput(host(out.tokens), host(out.num_tokens))
+            if want_logprobs:
+                result.logprobs = host(out.logprobs)
+                result.top_ids = host(out.top_ids)
+                result.top_logprobs = host(out.top_logprobs)
+            return result
+        except Exception as e:  # noqa: BLE001
+            if self.multiprocess:
+                distributed.fatal("reading a step's tokens", e)
+            raise
 
     def execute(self, inp: StepInputs) -> StepOutput:
         """dispatch + fetch: one synchronous step."""
         return self.fetch(self.dispatch(inp), bool(inp.sampling.want_logprobs))
+
+    # --------------------------------------------------------------------- several processes
+
+    def keepalive(self) -> None:
+        """The leader, idle: a no-op now and then keeps the followers' wait short-lived and
+        tells each side at once when the other is gone."""
+        if self.broadcast is not None:
+            try:
+                self.broadcast.keepalive()
+            except Exception as e:  # noqa: BLE001
+                distributed.fatal("the idle heartbeat", e)
+
+    def stop_followers(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.send(distributed.STOP)
+
+    def follow(self) -> None:
+        """A follower's life: run the leader's steps, in its order, until it stops."""
+        while True:
+            try:
+                op, inp = self.broadcast.receive()
+                if op == distributed.STOP:
+                    return
+                if op == distributed.STEP:
+                    self._launch(inp)
+                    self._last_tokens.block_until_ready()  # errors surface here, not later
+            except Exception as e:  # noqa: BLE001
+                distributed.fatal("following process 0's steps", e)

@@ -66,12 +66,21 @@ class HeadLayout:
                f"per device)"
 
 
-def make_mesh(tp: int) -> Mesh:
-    devices = jax.devices()
-    if tp > len(devices):
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; this process sees "
-                         f"{len(devices)} ({devices[0].platform})")
-    return Mesh(np.asarray(devices[:tp]), (AXIS,))
+def device_group(devices: list[jax.Device] | None, tp: int) -> list[jax.Device]:
+    """The tp devices one model instance runs on: `devices`, or the first tp of all."""
+    every = jax.devices()
+    if devices is None:
+        if tp > len(every):
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; this process sees "
+                             f"{len(every)} ({every[0].platform})")
+        return every[:tp]
+    if len(devices) != tp:
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, given {len(devices)}")
+    return list(devices)
+
+
+def make_mesh(devices: list[jax.Device]) -> Mesh:
+    return Mesh(np.asarray(devices), (AXIS,))
 
 
 def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelConfig, dict]:

@@ -167,6 +167,7 @@ class AsyncEngine:
             while not self._stop:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue

@@ -13,6 +13,7 @@ import sys
 import time
 
 from jaxserve.config import EngineConfig, add_options, from_options
+from jaxserve.runtime.distributed import DistributedConfig
 from jaxserve.serving.server import Server, ServerConfig
 
 logger = logging.getLogger("jaxserve.server")
@@ -22,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
     add_options(ap.add_argument_group("engine"), EngineConfig)
     add_options(ap.add_argument_group("server"), ServerConfig)
+    add_options(ap.add_argument_group("several processes (one engine over all their devices; "
+                                      "process 0 serves)"), DistributedConfig)
     ap.add_argument("--profile-dir", default=None,
                     help="write an XLA profiler trace of --profile-steps engine steps here "
                          "(starting with the first request)")
@@ -40,8 +43,9 @@ def split_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
             from_options(ServerConfig, args, http_port=args.http_port or None))
 
 
-async def serve(engine, server_config: ServerConfig, step_hooks: tuple = ()) -> None:
-    server = Server(engine, server_config, step_hooks)
+async def serve(engines, server_config: ServerConfig, step_hooks: tuple = ()) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down in order."""
+    server = Server(engines, server_config, step_hooks)
     await server.start()
     logger.info("jaxserve listening on %s", server.where())
     stop = asyncio.Event()
@@ -60,14 +64,31 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
     engine_config, server_config = split_config(args)
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.runtime import distributed
+
+    dist = distributed.initialize(from_options(DistributedConfig, args))
+    if dist.is_multiprocess and engine_config.data_parallel_size > 1:
+        raise SystemExit("data_parallel_size > 1 runs in one process; across processes the "
+                         "engine is one tensor-parallel replica")
+    from jaxserve.engine import data_parallel
 
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config)
-    logger.info("model loaded in %.1fs (%s)", time.perf_counter() - t0, engine.loaded.path)
+    engines = data_parallel.build_replicas(engine_config)
+    logger.info("model loaded in %.1fs (%s)", time.perf_counter() - t0, engines[0].loaded.path)
     if not args.no_warmup:
-        dt = engine.warmup()
-        logger.info("warmup compiled %d programs in %.1fs", engine.runner.num_compiles, dt)
+        dt = data_parallel.warmup(engines)
+        logger.info("warmup compiled %d programs in %.1fs",
+                    sum(e.runner.num_compiles for e in engines), dt)
+    if dist.is_multiprocess and dist.process_id != 0:
+        # A follower ends when process 0 does (it stops them on its way out, or they notice
+        # it is gone), so a Ctrl-C or a SIGTERM sent to every process shuts down in order.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        logger.info("process %d of %d: running process 0's steps (it serves the clients)",
+                    dist.process_id, dist.num_processes)
+        engines[0].runner.follow()
+        logger.info("process 0 stopped; exiting")
+        return 0
     hooks = ()
     profiler = None
     if args.profile_dir:
@@ -79,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         from jaxserve.engine.profiling import start_profiler_server
 
         start_profiler_server(args.profiler_port)
-    asyncio.run(serve(engine, server_config, hooks))
+    asyncio.run(serve(engines, server_config, hooks))
+    engines[0].runner.stop_followers()
     if profiler is not None:
         profiler.stop()
     return 0

@@ -336,7 +336,7 @@ class _Api:
             "owned_by": "jaxserve", "max_model_len": self.server.engine.config.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.server.async_engine.is_alive:
+        if not self.server.replicas.is_alive:
             return web.json_response({"status": "error"}, status=503)
         return web.json_response({"status": "ok"})
 

@@ -3,18 +3,46 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxserve.core.router import Router
 from jaxserve.engine.llm_engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0)
 
 
-class PrometheusExporter:
-    """Own registry per server; `update` runs on the engine thread after every step."""
+class _RouterCollector:
+    """Per data-parallel replica: requests routed there (and of them, for a cached prefix),
+    and those in flight, read from the router when /metrics is scraped."""
 
-    def __init__(self):
+    def __init__(self, router: Router):
+        self.router = router
+
+    def collect(self):
+        routed = CounterMetricFamily("jaxserve_replica_requests_routed",
+                                     "Requests the router sent to each replica", labels=["replica"])
+        prefix = CounterMetricFamily("jaxserve_replica_requests_prefix_routed",
+                                     "Requests sent to a replica for the prefix it caches",
+                                     labels=["replica"])
+        live = GaugeMetricFamily("jaxserve_replica_requests_in_flight",
+                                 "Requests routed to each replica and not finished",
+                                 labels=["replica"])
+        for i, load in enumerate(self.router.loads):
+            routed.add_metric([str(i)], load.routed)
+            prefix.add_metric([str(i)], load.prefix_routed)
+            live.add_metric([str(i)], load.in_flight)
+        yield from (routed, prefix, live)
+
+
+class PrometheusExporter:
+    """Own registry per server; `update` runs on a replica's engine thread after each of its
+    steps. Engine figures are summed over the data-parallel replicas; the router's
+    per-replica counts carry a `replica` label."""
+
+    def __init__(self, router: Router):
         r = self.registry = CollectorRegistry()
+        r.register(_RouterCollector(router))
         self.running = Gauge("jaxserve_num_requests_running", "Requests in the running set",
                              registry=r)
         self.waiting = Gauge("jaxserve_num_requests_waiting", "Requests waiting", registry=r)
@@ -65,26 +93,30 @@ class PrometheusExporter:
                           ("prefix_cache_host_hits", self.prefix_host_hits),
                           ("prefix_cache_evictions", self.prefix_evictions),
                           ("prefix_cache_host_evictions", self.prefix_host_evictions))
-        self._seen = {key: 0 for key, _ in self._counters}
-        self._seen.update(num_requests_finished=0, num_steps=0)
+        self._gauges = (("num_running", self.running), ("num_waiting", self.waiting),
+                        ("num_swapped", self.swapped), ("kv_blocks_used", self.kv_used),
+                        ("prefix_cache_blocks", self.prefix_blocks),
+                        ("prefix_cache_host_blocks", self.prefix_host_blocks))
+        self._seen: dict[int, dict[str, int]] = {}  # per replica: counters already exported
+        self._last: dict[int, dict] = {}  # per replica: its latest snapshot
 
-    def update(self, engine: LLMEngine, outputs=None) -> None:
-        snap = engine.metrics_snapshot()
-        self.running.set(snap["num_running"])
-        self.waiting.set(snap["num_waiting"])
-        self.swapped.set(snap["num_swapped"])
-        self.kv_usage.set(snap["kv_usage"])
-        self.kv_used.set(snap["kv_blocks_used"])
-        self.prefix_blocks.set(snap["prefix_cache_blocks"])
-        self.prefix_host_blocks.set(snap["prefix_cache_host_blocks"])
+    def update(self, engine: LLMEngine, outputs=None, replica: int = 0) -> None:
+        snap = self._last[replica] = engine.metrics_snapshot()
+        snaps = list(self._last.values())
+        for key, gauge in self._gauges:
+            gauge.set(sum(s[key] for s in snaps))
+        self.kv_usage.set(sum(s["kv_blocks_used"] for s in snaps)
+                          / sum(s["kv_blocks_total"] for s in snaps))
+        seen = self._seen.setdefault(replica, dict.fromkeys(
+            [key for key, _ in self._counters] + ["num_requests_finished", "num_steps"], 0))
         for key, counter in self._counters:
-            delta = snap[key] - self._seen[key]
+            delta = snap[key] - seen[key]
             if delta > 0:
                 counter.inc(delta)
-            self._seen[key] = snap[key]
+            seen[key] = snap[key]
         m = engine.metrics
-        new = snap["num_requests_finished"] - self._seen["num_requests_finished"]
-        self._seen["num_requests_finished"] = snap["num_requests_finished"]
+        new = snap["num_requests_finished"] - seen["num_requests_finished"]
+        seen["num_requests_finished"] = snap["num_requests_finished"]
         for stats in m.finished[-new:] if new > 0 else []:
             self.finished.labels(stats.finish_reason or "unknown").inc()
             if stats.ttft is not None:
@@ -93,8 +125,8 @@ class PrometheusExporter:
                 self.tpot.observe(stats.tpot)
             if stats.e2e is not None:
                 self.e2e.observe(stats.e2e)
-        steps = snap["num_steps"] - self._seen["num_steps"]
-        self._seen["num_steps"] = snap["num_steps"]
+        steps = snap["num_steps"] - seen["num_steps"]
+        seen["num_steps"] = snap["num_steps"]
         for d in m.step_durations[-steps:] if steps > 0 else []:
             self.step.observe(d)
 

@@ -21,8 +21,9 @@ from typing import Any
 from jaxserve.config import option
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine import data_parallel
 from jaxserve.engine.llm_engine import LLMEngine, QueueFullError
-from jaxserve.serving.async_engine import AsyncEngine, RequestStream, StreamOverflow
+from jaxserve.serving.async_engine import RequestStream, StreamOverflow
 from jaxserve.serving.flow import StallWatch, Watched, configure_transport
 from jaxserve.serving.prometheus import PrometheusExporter
 from jaxserve.serving.protocol import (
@@ -32,6 +33,7 @@ from jaxserve.serving.protocol import (
     parse_generate,
     read_frame,
 )
+from jaxserve.serving.replicas import ReplicaSet
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -139,19 +141,22 @@ class _Conn:
 
 
 class Server:
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None,
+    def __init__(self, engines: LLMEngine | list[LLMEngine], config: ServerConfig | None = None,
                  step_hooks: tuple = ()):
-        self.engine = engine
+        """`engines`: one engine, or the data-parallel replicas of
+        engine/data_parallel.build_replicas (requests are routed among them)."""
+        engines = engines if isinstance(engines, list) else [engines]
+        self.engine = engines[0]  # all replicas share its tokenizer and config
         self.config = config or ServerConfig()
-        self.exporter = PrometheusExporter()
-        hooks = (self.exporter.update, *step_hooks)  # each: hook(engine, outputs), engine thread
+        router = data_parallel.make_router(engines)
+        self.exporter = PrometheusExporter(router)
 
-        def on_step(engine, outputs):
-            for hook in hooks:
+        def on_step(replica, engine, outputs):
+            self.exporter.update(engine, outputs, replica)
+            for hook in step_hooks:  # each: hook(engine, outputs), on the replica's thread
                 hook(engine, outputs)
 
-        self.async_engine = AsyncEngine(engine, self.config.max_queue_per_request,
-                                        on_step=on_step)
+        self.replicas = ReplicaSet(engines, router, self.config.max_queue_per_request, on_step)
         self._conn_numbers = itertools.count()
         self._conns: set[_Conn] = set()
         self._socket_server: asyncio.base_events.Server | None = None
@@ -164,14 +169,14 @@ class Server:
         # Prompts are tokenized here, off the event loop (the tokenizer releases the GIL), one
         # at a time; a prompt too long to possibly fit is refused before it is read at all.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, "jaxserve-tokenize")
-        tok = engine.tokenizer
+        tok = self.engine.tokenizer
         self._max_token_chars = (max(map(len, tok.get_vocab())) if tok is not None else 0)
         self.num_disconnects = 0  # requests whose client left before their end
 
     # --------------------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self.async_engine.start()
+        self.replicas.start()
         self.stall_watch.start()
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -211,10 +216,10 @@ class Server:
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         try:
             while time.monotonic() < deadline:
-                if not await self.async_engine.call(lambda e: e.num_unfinished_requests):
+                if not any(await self.replicas.call_all(lambda e: e.num_unfinished_requests)):
                     break
                 await asyncio.sleep(0.05)
-            await self.async_engine.call(lambda e: [e.abort(r) for r in list(e.requests)])
+            await self.replicas.call_all(lambda e: [e.abort(r) for r in list(e.requests)])
         except RuntimeError:  # the engine loop is gone: nothing left to finish
             pass
         await asyncio.sleep(0.2)  # let the final "abort" frames go out
@@ -227,7 +232,7 @@ class Server:
         self.stall_watch.stop()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
-        self.async_engine.stop()
+        self.replicas.stop()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # --------------------------------------------------------------------------- shared helpers
@@ -283,9 +288,9 @@ class Server:
 
     async def submit(self, engine_id: str, prompt, prompt_token_ids, params,
                      priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        return await self.async_engine.add_request(engine_id, prompt, params,
-                                                   prompt_token_ids=prompt_token_ids,
-                                                   priority=priority, cache_salt=cache_salt)
+        return await self.replicas.add_request(engine_id, prompt, params,
+                                               prompt_token_ids=prompt_token_ids,
+                                               priority=priority, cache_salt=cache_salt)
 
     def client_left(self, engine_id: str, stream: RequestStream | None,
                     count: bool = True) -> None:
@@ -297,12 +302,14 @@ class Server:
                 return
             stream.orphaned = True
         self.num_disconnects += count
-        self.async_engine.abort(engine_id)
+        self.replicas.abort(engine_id)
 
-    def stats(self, engine_snapshot: dict) -> dict:
-        """The engine's figures plus the server's own."""
-        return {**engine_snapshot, "num_disconnects": self.num_disconnects,
-                "tokens_after_disconnect": self.async_engine.tokens_after_disconnect,
+    async def stats(self) -> dict:
+        """The engines' figures (summed over replicas) plus the server's own."""
+        snap = data_parallel.merge_snapshots(
+            await self.replicas.call_all(lambda e: e.metrics_snapshot()))
+        return {**snap, "num_disconnects": self.num_disconnects,
+                "tokens_after_disconnect": self.replicas.tokens_after_disconnect,
                 "num_slow_readers_cut_off": self.stall_watch.num_cut_off}
 
     def authorized(self, key: str | None) -> bool:
@@ -360,16 +367,15 @@ class Server:
                 elif kind == "abort":
                     cid = msg.get("id")
                     if isinstance(cid, str) and cid in conn.active:
-                        self.async_engine.abort(conn.active[cid])
+                        self.replicas.abort(conn.active[cid])
                     else:
                         conn.error("not_found", f"no active request with id {cid!r}",
                                    cid if isinstance(cid, str) else None)
                 elif kind == "health":
-                    ok = self.async_engine.is_alive
+                    ok = self.replicas.is_alive
                     conn.send({"type": "health", "status": "ok" if ok else "error"})
                 elif kind == "stats":
-                    snap = await self.async_engine.call(lambda e: e.metrics_snapshot())
-                    conn.send({"type": "stats", **self.stats(snap)})
+                    conn.send({"type": "stats", **await self.stats()})
                 await conn.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass

@@ -93,9 +93,10 @@ def test_metrics_snapshot_reports_the_prefix_cache(tiny_llama_dir):
     host = engine.scheduler.swap_space
     assert snap["prefix_cache_host_blocks"] == host.num_cached
     assert snap["prefix_cache_host_evictions"] == host.num_evictions
+    from jaxserve.engine.data_parallel import make_router
     from jaxserve.serving.prometheus import PrometheusExporter
 
-    exporter = PrometheusExporter()
+    exporter = PrometheusExporter(make_router([engine]))
     exporter.update(engine)
     text = exporter.render().decode()
     assert f"jaxserve_prefix_cache_hits_total {float(stats.hits)}" in text

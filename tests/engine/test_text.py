@@ -68,10 +68,9 @@ def test_chat_prompt_stops_on_eos(engine):
 
 
 def test_llm_generate_returns_in_input_order(smollm):
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(EngineConfig(max_num_seqs=3, max_num_batched_tokens=64,
-                                        max_model_len=256, num_kv_blocks=64), loaded=smollm)
-    llm._next_id = 0
+    llm = LLM.from_engines([LLMEngine(EngineConfig(max_num_seqs=3, max_num_batched_tokens=64,
+                                                   max_model_len=256, num_kv_blocks=64),
+                                      loaded=smollm)])
     prompts = ["One, two, three,", "Hello", "The sky is", "def add(a, b):", "Roses are red,"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 2, 6, 4, 7)]
     outs = llm.generate(prompts, params, use_tqdm=False)

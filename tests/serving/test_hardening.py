@@ -180,7 +180,7 @@ def test_a_request_failing_inside_the_step_fails_alone(server):
         [rid] = [r for r in engine.requests if r.endswith("-b")]
         engine.requests[rid].params.top_k = 2**40
 
-    asyncio.run_coroutine_threadsafe(server.server.async_engine.call(corrupt),
+    asyncio.run_coroutine_threadsafe(server.server.replicas.call_all(corrupt),
                                      server.loop).result(30)
     frames = {f["id"]: f for f in (read_frame(s) for _ in range(3))}
     s.close()

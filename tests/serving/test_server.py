@@ -38,9 +38,7 @@ def expected(smollm):
     """LLM.generate (in process) output for the prompts: the reference for the server."""
     from jaxserve import LLM
 
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(engine_config(), loaded=smollm)
-    llm._next_id = 0
+    llm = LLM.from_engines([LLMEngine(engine_config(), loaded=smollm)])
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                 ignore_eos=True), use_tqdm=False)
     return {p: (o.outputs[0].token_ids, o.outputs[0].text) for p, o in zip(PROMPTS, outs,

@@ -1,0 +1,69 @@
+"""Start one engine as several processes on this machine (runtime/distributed.py).
+
+`python -m jaxserve launch --num-processes 2 --cpu-devices-per-process 2 -- scripts/serve.py
+--tensor-parallel-size 4` runs the script once per process, each told the coordinator address,
+the process count and its index through the environment (the variables in
+`distributed.ENV`); on a CPU each process gets its forced devices. On several machines, run
+the script on each with the same three values as flags instead.
+
+The launcher only starts, relays signals and waits: a process whose peer dies exits on its own
+(with a message saying so). The launcher prints every process's exit status and returns that
+of the first process to fail (128 + N for a process killed by signal N), or 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from jaxserve.runtime.distributed import ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(num_processes: int, command: list[str], cpu_devices_per_process: int | None = None,
+           coordinator_port: int | None = None) -> int:
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be positive, got {num_processes}")
+    if not command:
+        raise ValueError("give the script to run, e.g. -- scripts/serve.py ...")
+    address = f"127.0.0.1:{coordinator_port or free_port()}"
+    procs = []
+    for i in range(num_processes):
+        env = dict(os.environ, **{ENV["coordinator_address"]: address,
+                                  ENV["num_processes"]: str(num_processes),
+                                  ENV["process_id"]: str(i)})
+        if cpu_devices_per_process:
+            flags = env.get("XLA_FLAGS", "").split()
+            flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+            env["XLA_FLAGS"] = " ".join(
+                flags + [f"--xla_force_host_platform_device_count={cpu_devices_per_process}"])
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        procs.append(subprocess.Popen([sys.executable, *command], env=env))
+        print(f"[launch] process {i} of {num_processes}: pid {procs[-1].pid} (coordinator "
+              f"{address})", file=sys.stderr, flush=True)
+
+    def relay(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, relay)
+    first_failure = 0
+    while any(p.returncode is None for p in procs):
+        for p in procs:
+            if p.returncode is None and p.poll() is not None and p.returncode and not first_failure:
+                first_failure = p.returncode if p.returncode > 0 else 128 - p.returncode
+        time.sleep(0.1)
+    print(f"[launch] exit statuses: {[p.returncode for p in procs]}", file=sys.stderr,
+          flush=True)
+    return first_failure

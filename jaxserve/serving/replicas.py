@@ -1,0 +1,72 @@
+"""The server's engines: one AsyncEngine per data-parallel replica, behind one router.
+
+Every replica steps on its own thread. A request goes to the replica the router picks
+(core/router.py) and stays there: its aborts follow it, and its final output (whatever the
+finish reason) takes it off that replica's load. With one replica this is a thin wrapper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.router import Router
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.serving.async_engine import AsyncEngine, RequestStream
+
+
+class ReplicaSet:
+    def __init__(self, engines: list[LLMEngine], router: Router, max_queue_per_request: int,
+                 on_step: Callable[[int, LLMEngine, list[RequestOutput]], None]):
+        """`on_step(replica, engine, outputs)` runs on that replica's thread after each step."""
+        self.router = router
+
+        def hook(i: int):
+            def after_step(engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+                for out in outputs:
+                    if out.finished:
+                        router.finished(out.request_id)
+                on_step(i, engine, outputs)
+            return after_step
+
+        self.replicas = [AsyncEngine(e, max_queue_per_request, on_step=hook(i))
+                         for i, e in enumerate(engines)]
+
+    def start(self) -> None:
+        for r in self.replicas:
+            r.start()
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            r.stop()
+
+    @property
+    def is_alive(self) -> bool:
+        return all(r.is_alive for r in self.replicas)
+
+    @property
+    def tokens_after_disconnect(self) -> int:
+        return sum(r.tokens_after_disconnect for r in self.replicas)
+
+    async def add_request(self, request_id: str, prompt: str | None, params, *,
+                          prompt_token_ids: list[int] | None = None, priority: int = 0,
+                          cache_salt: str | None = None) -> RequestStream:
+        i = self.router.route(request_id, prompt_token_ids, cache_salt)
+        try:
+            return await self.replicas[i].add_request(
+                request_id, prompt, params, prompt_token_ids=prompt_token_ids,
+                priority=priority, cache_salt=cache_salt)
+        except BaseException:  # refused (or its caller left): it holds no place there
+            self.router.finished(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        i = self.router.owner(request_id)
+        if i is not None:  # else it finished already: nothing to abort
+            self.replicas[i].abort(request_id)
+
+    async def call_all(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:
+        """fn(engine) on every replica's thread between its steps; the results in order."""
+        return await asyncio.gather(*(r.call(fn) for r in self.replicas))
