@@ -15,6 +15,12 @@ The public names below load lazily, so `import jaxserve.core.scheduler` does not
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+
+try:  # the one version number is pyproject.toml's
+    __version__ = importlib.metadata.version("jaxserve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "LLM": "jaxserve.engine.llm",

@@ -7,12 +7,15 @@ bench_generate.py, greedy, all sent at once.
 Runs the workload once to warm up, then once timed; prints output tokens/s (from each
 response's usage), TTFT and end-to-end latency medians (streamed) and each request's decode rate
 after its first token. With --concurrency 1 that rate is the batch-1 decode speed.
+`--json-schema builtin` (or a schema file) asks every request for JSON through
+`response_format`, to weigh structured output against the same run without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import statistics
 import sys
@@ -22,14 +25,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_generate import make_prompts  # noqa: E402
 
+#: One free-text field: the answer runs to max_tokens as an unconstrained one would, so the two
+#: runs differ only by the grammar's work.
+BUILTIN_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
+                  "required": ["answer"]}
 
-def one_request(client, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+
+def one_request(client, model: str, prompt: str, max_tokens: int,
+                extra: dict) -> tuple[float, float, int]:
     """(TTFT s, end-to-end s, completion tokens) of one streamed chat completion."""
     t0 = time.perf_counter()
     first, tokens = None, 0
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        temperature=0, stream=True, stream_options={"include_usage": True}, **extra)
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.perf_counter() - t0
@@ -39,10 +48,12 @@ def one_request(client, model: str, prompt: str, max_tokens: int) -> tuple[float
     return (first if first is not None else end), end, tokens
 
 
-def run(client, model: str, prompts: list[str], max_tokens: int, concurrency: int):
+def run(client, model: str, prompts: list[str], max_tokens: int, concurrency: int,
+        extra: dict):
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: one_request(client, model, p, max_tokens), prompts))
+        results = list(pool.map(lambda p: one_request(client, model, p, max_tokens, extra),
+                                prompts))
     return time.perf_counter() - t0, results
 
 
@@ -54,15 +65,26 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json-schema", default=None,
+                    help="'builtin' or a JSON schema file: every request asks for JSON")
     args = ap.parse_args()
+    extra = {}
+    if args.json_schema:
+        if args.json_schema == "builtin":
+            schema = BUILTIN_SCHEMA
+        else:
+            with open(args.json_schema) as f:
+                schema = json.load(f)
+        extra["response_format"] = {"type": "json_schema",
+                                    "json_schema": {"name": "answer", "schema": schema}}
 
     from openai import OpenAI
 
     client = OpenAI(base_url=args.base_url, api_key=args.api_key, timeout=600)
     model = args.model or client.models.list().data[0].id
     prompts = make_prompts(args.num_prompts)
-    run(client, model, prompts, args.max_tokens, args.concurrency)  # warm-up
-    dur, results = run(client, model, prompts, args.max_tokens, args.concurrency)
+    run(client, model, prompts, args.max_tokens, args.concurrency, extra)  # warm-up
+    dur, results = run(client, model, prompts, args.max_tokens, args.concurrency, extra)
     n = sum(r[2] for r in results)
     print(f"{len(prompts)} requests at concurrency {args.concurrency}: {n} output tokens in "
           f"{dur:.2f} s = {n / dur:.1f} output tok/s; TTFT p50 "

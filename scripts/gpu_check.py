@@ -165,7 +165,8 @@ def time_engine(dry_run: bool) -> list[dict]:
             logits_indices=np.arange(b, dtype=np.int32),
             sampling=SamplingInputs(np.zeros(b, np.float32), np.ones(b, np.float32),
                                     np.zeros(b, np.int32), np.zeros(b, np.uint32),
-                                    np.zeros(b, np.int32), np.ones(b, bool), np.bool_(False)))
+                                    np.zeros(b, np.int32), np.ones(b, bool), np.bool_(False)),
+            processing=runner.logits_shape.unused(b))
         dt = timed(lambda inp=inp, runner=runner: runner.execute(inp).token_ids,
                    3 if dry_run else 20)
         rows.append({"batch": b, "context": ctx, "dtype": dtype, "backend":

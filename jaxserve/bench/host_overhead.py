@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.runtime.logits_processing import LogitsShape
 from jaxserve.runtime.step_inputs import build_step_inputs
 from jaxserve.testing.sim import SimExecutor
 
@@ -26,6 +27,7 @@ def bench(num_running: int, steps: int, seed: int = 0) -> dict:
                        max_model_len=max_len, block_size=block_size)
     buckets = cfg.buckets()
     num_blocks = num_running * (max_len // block_size) // 2
+    logits_shape = LogitsShape(vocab_size=49152, history=max_len)
     sim = SimExecutor(cfg.scheduler_config(), num_blocks, block_size,
                       check_kv=False)
     rng = np.random.default_rng(seed)
@@ -49,7 +51,7 @@ def bench(num_running: int, steps: int, seed: int = 0) -> dict:
         out = sched.schedule()
         t1 = time.perf_counter()
         if out.scheduled:
-            build_step_inputs(out.scheduled, buckets, block_size, num_blocks)
+            build_step_inputs(out.scheduled, buckets, block_size, num_blocks, logits_shape)
         t2 = time.perf_counter()
         sched_t.append(t1 - t0)
         build_t.append(t2 - t1)

@@ -67,6 +67,9 @@ class CompletionOutput:
     logprobs: list[dict] | None = None
     new_text: str = ""  # what this step added, for streaming
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # False for a sample of an n > 1 request that did not move in this step (its state is
+    # repeated so every output carries all n; streams skip it)
+    updated: bool = True
 
 
 @dataclasses.dataclass(slots=True)

@@ -18,6 +18,10 @@ MAX_TEMPERATURE = 1e4  # beyond it every token is equally likely in float32 anyw
 MAX_STOP_STRINGS = 16  # every step checks each one against the new text (OpenAI allows 4)
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit); the step holds this many per row
+MAX_BAD_WORDS = 64
+MAX_N = 64  # parallel samples of one prompt
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 def _is_int(v) -> bool:
@@ -41,6 +45,7 @@ def fold_seed(seed: int) -> int:
 
 @dataclasses.dataclass(slots=True)
 class SamplingParams:
+    n: int = 1  # samples of the prompt (they share its KV blocks; see LLMEngine.add_request)
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 (or -1) means no top-k cut
@@ -50,6 +55,23 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None  # a seed makes the samples independent of what shares the batch
     logprobs: int | None = None  # return the sampled token's logprob and this many top ones
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    # Penalties, with vLLM's (and OpenAI's) definitions: presence subtracts once from every
+    # token the output holds, frequency once per occurrence; repetition divides a positive
+    # logit (multiplies a negative one) of every token in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (a multi-token word: its last token
+    # is banned after the others)
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many are generated
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # One of {"json": schema (dict or string)}, {"json_object": true}, {"regex": str},
+    # {"choice": [str, ...]}, {"grammar": Lark/EBNF str}: every output matches it.
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -58,12 +80,34 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):  # JSON writes the token ids as strings
+            self.logit_bias = {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def needs_history(self) -> bool:
+        """Does picking the next token depend on the tokens generated so far (so the host
+        must hold them before the step is built)?"""
+        return (self.penalized or bool(self.bad_words) or self.min_tokens > 0
+                or self.structured_outputs is not None)
+
+    @property
+    def processes_logits(self) -> bool:
+        return (self.needs_history or bool(self.logit_bias)
+                or self.allowed_token_ids is not None)
 
     def validate(self, max_logprobs: int) -> None:
         """Raise ValueError naming the first bad field.
 
         Every front (library, socket, HTTP) goes through here, so every value that reaches a
         step array is known to fit it: int32 for top_k, a 64-bit seed folded to 32 bits."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
                              f"got {self.temperature!r}")
@@ -90,6 +134,46 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be an int in [0, {max_logprobs}], got {self.logprobs!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got "
+                             f"{self.repetition_penalty!r}")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS
+                or any(not _is_int(k) or k < 0 or not _is_real(v) or not -100 <= v <= 100
+                       for k, v in self.logit_bias.items())):
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to "
+                             f"numbers in [-100, 100], got {_clip(self.logit_bias)}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                             f"{_clip(self.allowed_token_ids)}")
+        if self.bad_words is not None and (
+                len(self.bad_words) > MAX_BAD_WORDS
+                or any(not isinstance(w, str) or not 0 < len(w) <= MAX_STOP_CHARS
+                       for w in self.bad_words)):
+            raise ValueError(f"bad_words must be at most {MAX_BAD_WORDS} non-empty strings of "
+                             f"at most {MAX_STOP_CHARS} characters, got {_clip(self.bad_words)}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
+            raise ValueError(f"min_tokens must be a non-negative int, got {self.min_tokens!r}")
+        if (self.max_tokens is not None and _is_int(self.min_tokens)
+                and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                             f"({self.max_tokens})")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        so = self.structured_outputs
+        if so is not None and (not isinstance(so, dict) or len(so) != 1
+                               or next(iter(so)) not in STRUCTURED_KINDS):
+            raise ValueError(f"structured_outputs must hold exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}, got {_clip(so)}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, allow_unknown: bool = False) -> SamplingParams:

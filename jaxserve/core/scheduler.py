@@ -168,8 +168,11 @@ class Scheduler:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
-            if seq.num_pending and seq.reaches_length(seq.num_sampled, cfg.max_model_len):
-                continue  # its last token is on the way (asynchronous scheduling): done then
+            if seq.num_pending and (seq.reaches_length(seq.num_sampled, cfg.max_model_len)
+                                    or seq.params.needs_history):
+                # Its token is on the way (asynchronous scheduling): its last one (done then),
+                # or one its next token's mask or penalties depend on (it sits out a step).
+                continue
             start = seq.num_computed_tokens
             if start >= len(seq.block_table) * block_size:
                 if not self._make_room(seq, start + 1, scheduled_ids, out):
@@ -196,6 +199,10 @@ class Scheduler:
         for seq in self._admission_order(now):
             if len(self.running) >= cfg.max_num_seqs or budget <= 0:
                 break
+            if seq.waits_for is not None:
+                if seq.waits_for.is_prefilling_prompt:
+                    continue  # its sibling computes the prompt; this one then reads it
+                seq.waits_for = None
             # A sequence with nothing computed (new, or preempted by recompute) first takes
             # whatever prefix of it the cache holds: on the device, then in the host tier.
             fresh = bm.enable_caching and seq.num_computed_tokens == 0

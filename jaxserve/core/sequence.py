@@ -30,7 +30,8 @@ class Sequence:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "num_tokens", "params",
                  "arrival_index", "priority", "status", "num_computed_tokens", "block_table",
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
-                 "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt")
+                 "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
+                 "logits_state", "waits_for")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -57,6 +58,11 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.cache_salt = cache_salt
+        # The host side of its logit processing (engine/logits_state.py), or None.
+        self.logits_state = None
+        # A sibling (parallel sampling, n > 1) whose prompt this one reads from the prefix
+        # cache: it is admitted once that sibling's prompt is computed.
+        self.waits_for: Sequence | None = None
         self.metrics = RequestMetrics(
             request_id, time.perf_counter() if arrival_time is None else arrival_time,
             len(self.prompt_token_ids))
@@ -114,6 +120,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling_prompt(self) -> bool:
+        """Not finished, and its prompt not all computed (or launched) yet."""
+        return not self.is_finished and self.num_computed_tokens < len(self.prompt_token_ids)
 
     @property
     def is_decoding(self) -> bool:

@@ -12,16 +12,17 @@ _CONTEXT_TOKENS = 5  # prompt tokens kept as left context (spacing depends on th
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset")
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "skip_special_tokens")
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one generated token; return the text it completes (may be empty)."""

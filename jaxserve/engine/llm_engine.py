@@ -25,8 +25,10 @@ from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
+from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.runtime.runner import ModelRunner, RecompileError
 from jaxserve.runtime.sampling import SamplerOutput
 from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
@@ -95,12 +97,18 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self._prompts: dict[str, str | None] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._groups: dict[str, list[Sequence]] = {}  # n > 1: request id -> its samples
+        self._group_of: dict[str, tuple[str, int]] = {}  # sample -> (request id, index)
         self._arrivals = 0
         self.metrics = EngineMetrics()
         self.step_trace: list[StepRecord] | None = [] if config.enable_step_trace else None
         self.stat_logger = (StatLogger(config.log_stats_interval_s, time.perf_counter)
                             if config.log_stats_interval_s > 0 else None)
         self._in_flight: _Launched | None = None
+        # structured output: the tokenizer's grammar form is built at the first use
+        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                         self.eos_token_ids)
+                         if self.tokenizer is not None else None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else jax.default_backend() != "cpu")
 
@@ -129,7 +137,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -149,16 +157,57 @@ class LLMEngine:
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"waiting queue is full (max_waiting_requests={limit})")
-        seed = fold_seed(params.seed) if params.seed is not None else (
-            (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
-        seq = Sequence(request_id, ids, params, self._arrivals, seed, priority, arrival_time,
-                       cache_salt)
-        if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, ids)
-        self._arrivals += 1
-        self.requests[request_id] = seq
+        n = params.n
+        seqs = []
+        for i in range(n):  # n > 1: one sequence per sample, named "<request_id>#<i>"
+            child = params if n == 1 else dataclasses.replace(params, n=1)
+            seed = ((fold_seed(params.seed) + i) & 0xFFFFFFFF if params.seed is not None else
+                    (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
+            seq = Sequence(request_id if n == 1 else f"{request_id}#{i}", ids, child,
+                           self._arrivals, seed, priority, arrival_time, cache_salt)
+            seq.logits_state = self._logits_state(child, ids) if child.processes_logits else None
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
+            self._arrivals += 1
+            seqs.append(seq)
+        if n > 1:
+            # The first sample computes the prompt; the others wait for it and then take its
+            # blocks from the prefix cache, so the prompt is computed once (without caching,
+            # each computes its own).
+            if self.block_manager.enable_caching:
+                for seq in seqs[1:]:
+                    seq.waits_for = seqs[0]
+            self._groups[request_id] = seqs
+            self._group_of.update({s.request_id: (request_id, i) for i, s in enumerate(seqs)})
         self._prompts[request_id] = prompt
-        self.scheduler.add(seq)
+        for seq in seqs:
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
+
+    def _logits_state(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsState:
+        """Check the fields that need the vocabulary and build the request's host state for
+        processing its logits (compiling its grammar)."""
+        vocab = self.model_config.vocab_size
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in (getattr(params, name) or ()) if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        bad_words = []
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: this model has no tokenizer")
+            for word in params.bad_words:  # as vLLM: the word alone and after a space
+                for text in dict.fromkeys((word, " " + word.lstrip())):
+                    ids = self.tokenizer(text, add_special_tokens=False).input_ids
+                    if ids and ids not in bad_words:
+                        bad_words.append(ids)
+        matcher = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this model has no tokenizer")
+            matcher = self.grammars.matcher(params.structured_outputs)
+        return LogitsState(params, prompt_ids, vocab, self.eos_token_ids, bad_words, matcher)
 
     def prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
         """The token ids a request runs (its prompt tokenized, or its ids checked); raises
@@ -214,6 +263,9 @@ class LLMEngine:
         return self._end(request_id, "error", error)
 
     def _end(self, request_id: str, reason: str, error: str | None = None) -> bool:
+        if request_id in self._groups:  # every sample still running
+            return any([self._end(s.request_id, reason, error)
+                        for s in self._groups[request_id] if not s.is_finished])
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -235,7 +287,34 @@ class LLMEngine:
     def take_pending_outputs(self) -> list[RequestOutput]:
         """The outputs of aborts and failures not yet reported by a step()."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        return outputs
+        return self._grouped(outputs)
+
+    def _grouped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One output per request: the samples of an n > 1 request merged into one (each at
+        its index; those that did not move in this step repeated, marked not updated)."""
+        if not self._groups:
+            return outputs
+        result, moved = [], {}
+        for out in outputs:
+            group = self._group_of.get(out.request_id)
+            if group is None:
+                result.append(out)
+            else:
+                moved.setdefault(group[0], {})[group[1]] = out.outputs[0]
+        for rid, comps in moved.items():
+            seqs = self._groups[rid]
+            outs = [dataclasses.replace(comps[i], index=i) if i in comps else CompletionOutput(
+                i, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
+                s.logprobs, updated=False) for i, s in enumerate(seqs)]
+            finished = all(s.is_finished for s in seqs)
+            prompt = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
+            result.append(RequestOutput(rid, prompt, seqs[0].prompt_token_ids, outs, finished,
+                                        seqs[0].metrics))
+            if finished:
+                del self._groups[rid]
+                for s in seqs:
+                    del self._group_of[s.request_id]
+        return result
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None
@@ -276,7 +355,7 @@ class LLMEngine:
         if self.stat_logger is not None and (line := self.stat_logger.poll(
                 self.metrics_snapshot)):
             logger.info("%s", line)
-        return outputs
+        return self._grouped(outputs)
 
     def _launch(self) -> _Launched | None:
         t0 = time.perf_counter()
@@ -292,7 +371,7 @@ class LLMEngine:
             try:
                 inp = build_step_inputs(sched.scheduled, self.runner.buckets,
                                         self.config.block_size, self.runner.num_blocks,
-                                        prev.rows if prev else None)
+                                        self.runner.logits_shape, prev.rows if prev else None)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step
@@ -315,7 +394,8 @@ class LLMEngine:
         for s in scheduled:
             try:
                 build_step_inputs([s], self.runner.buckets, self.config.block_size,
-                                  self.runner.num_blocks, {s.seq.request_id: 0})
+                                  self.runner.num_blocks, self.runner.logits_shape,
+                                  {s.seq.request_id: 0})
             except Exception as e:  # noqa: BLE001
                 culprits.append((s, e))
         for s, e in culprits or [(s, error) for s in scheduled]:

@@ -91,6 +91,8 @@ class Postprocessor:
             seq.logprobs.append(logprob)
         p = seq.params
         reason, stop_reason = None, None
+        # The grammar (structured output) sees every token; once complete, nothing may follow.
+        grammar_done = seq.logits_state is not None and seq.logits_state.consume(token)
         is_eos = token in self.eos_token_ids and not p.ignore_eos
         new_text = "" if seq.detok is None or is_eos else seq.detok.add(token)
         if new_text:
@@ -107,9 +109,13 @@ class Postprocessor:
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 idx, stop_reason = min(hits)
+                if p.include_stop_str_in_output:
+                    idx += len(stop_reason)
                 new_text = new_text[:max(0, len(new_text) - (len(seq.text) - idx))]
                 seq.text = seq.text[:idx]
                 reason = "stop"
+        if reason is None and grammar_done:
+            reason = "stop"
         update.new_text += new_text
         if reason is None and seq.reaches_length(seq.num_output_tokens, self.max_model_len):
             reason = "length"

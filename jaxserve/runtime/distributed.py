@@ -123,13 +123,16 @@ class StepBroadcast:
         self._dummy = dummy_inputs
         self._last = time.monotonic()
 
-    def _send_header(self, op: int, bucket=(0, 0, 0)) -> None:
-        self._broadcast(np.asarray([op, *bucket], np.int32))
+    def _send_header(self, op: int, bucket=(0, 0, 0), processed: bool = False) -> None:
+        self._broadcast(np.asarray([op, *bucket, processed], np.int32))
         self._last = time.monotonic()
 
     def send_step(self, inp) -> None:
-        self._send_header(STEP, inp.bucket)
-        self._broadcast(inp)
+        """The step's inputs; its logit-processing arrays only when a row uses them (the
+        followers know the unused ones)."""
+        processed = bool(inp.processing.active)
+        self._send_header(STEP, inp.bucket, processed)
+        self._broadcast(inp if processed else dataclasses.replace(inp, processing=None))
 
     def send(self, op: int) -> None:
         self._send_header(op)
@@ -140,7 +143,11 @@ class StepBroadcast:
 
     def receive(self):
         """-> (op, StepInputs or None): what the leader sent next (a follower blocks here)."""
-        op, *bucket = self._broadcast(np.zeros(4, np.int32)).tolist()
+        op, t, s, b, processed = self._broadcast(np.zeros(5, np.int32)).tolist()
         if op != STEP:
             return op, None
-        return op, self._broadcast(self._dummy(tuple(bucket)))
+        template = self._dummy((t, s, b))
+        if processed:
+            return op, self._broadcast(template)
+        got = self._broadcast(dataclasses.replace(template, processing=None))
+        return op, dataclasses.replace(got, processing=template.processing)

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.runtime import compile_cache, distributed, sharding
+from jaxserve.runtime import compile_cache, distributed, logits_processing, sharding
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import SamplerOutput, sample
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
@@ -132,8 +132,13 @@ class ModelRunner:
                                        self.block_size, self.dtype)
                           if self.num_host_blocks else None)
         self.buckets = config.buckets()
+        # Rows' logit processing: the history holds every distinct token of a context.
+        self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
+                                                          config.max_model_len)
         self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
                                donate_argnums=(1,), **jit_kw)
+        self._replicated = rep  # where the step's small inputs live
+        self._unused: dict[int, logits_processing.LogitsInputs] = {}
         self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
         self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self.num_compiles = 0
@@ -159,7 +164,9 @@ class ModelRunner:
                 # logits alone, XLA gathers the (V, D) embedding instead (measured).
                 logits = sharding.gather_once(logits, self.mesh)
         with jax.named_scope("sample"):
-            out = sample(logits, inp.sampling, max_logprobs)
+            processed = logits_processing.apply(logits, inp.processing)
+            out = sample(processed, inp.sampling, max_logprobs, inp.processing.min_p,
+                         raw_logits=logits)
         next_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens[:, 0])
         return kv, out, next_tokens
 
@@ -169,8 +176,14 @@ class ModelRunner:
         tok, seq, blk = self.buckets
         return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
 
+    def _unused_processing(self, s: int) -> logits_processing.LogitsInputs:
+        """The neutral logit-processing inputs of sequence bucket `s`, kept on the device."""
+        if s not in self._unused:
+            self._unused[s] = jax.device_put(self.logits_shape.unused(s), self._replicated)
+        return self._unused[s]
+
     def _dummy_inputs(self, bucket: tuple[int, int, int]) -> StepInputs:
-        return dummy_step_inputs(*bucket, self.block_size, self.num_blocks)
+        return dummy_step_inputs(*bucket, self.block_size, self.num_blocks, self.logits_shape)
 
     def _lower(self, bucket: tuple[int, int, int]) -> jax.stages.Lowered:
         return self._jitted.lower(self.params, self.kv, self._last_tokens,
@@ -233,6 +246,8 @@ class ModelRunner:
 
     def _launch(self, inp: StepInputs) -> SamplerOutput:
         exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
+        if not inp.processing.active:  # the unused arrays stay on the device: none to copy
+            inp = dataclasses.replace(inp, processing=self._unused_processing(inp.bucket[1]))
         self.kv, out, self._last_tokens = exe(self.params, self.kv, self._last_tokens, inp)
         return out
 

@@ -94,8 +94,14 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int) -> SamplerOutput:
+def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int,
+           min_p: jax.Array | None = None, raw_logits: jax.Array | None = None) -> SamplerOutput:
     """logits (S, V) float32 -> sampled tokens and logprobs (of the unscaled distribution).
+
+    `logits` are what the tokens are picked from (processed: penalties, bias, masks);
+    `raw_logits` (default: the same), the model's own, are what logprobs report, as vLLM's
+    default does. `min_p` (S,): a sampled row keeps the tokens whose probability after
+    temperature is at least min_p x the most likely one's.
 
     Work is skipped by runtime conditions, not by separate programs: the top-k/top-p cut runs
     only when a sampled row filters (and sorts the vocabulary only when the best candidates do
@@ -111,13 +117,19 @@ def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int) -> SamplerO
         filters = jnp.any(sampled_rows & ((si.top_k > 0) | (si.top_p < 1)))
         filtered = jax.lax.cond(
             filters, lambda: _filtered_logits(logits, si), lambda: _scaled(logits, si))
+        if min_p is not None:
+            cut = jnp.max(filtered, axis=-1, keepdims=True) + jnp.log(
+                jnp.maximum(min_p, 1e-30))[:, None]
+            filtered = jnp.where((min_p[:, None] > 0) & (filtered < cut), -jnp.inf, filtered)
         return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
     sampled = jax.lax.cond(jnp.any(sampled_rows), draw, lambda _: greedy, None)
     tokens = jnp.where(sampled_rows, sampled, greedy)
 
+    raw = logits if raw_logits is None else raw_logits
+
     def logprobs():
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(raw, axis=-1)
         chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
         return chosen, top_ids.astype(jnp.int32), top_lp

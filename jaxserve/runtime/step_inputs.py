@@ -11,6 +11,8 @@ import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import PENDING
+from jaxserve.runtime import logits_processing
+from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
 from kernels.metadata import AttentionMetadata
 
@@ -25,6 +27,7 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: np.ndarray  # (S,) int32: last query row of each sequence
     sampling: SamplingInputs
+    processing: LogitsInputs  # per-request logit processing (runtime/logits_processing.py)
 
     @property
     def bucket(self) -> tuple[int, int, int]:
@@ -51,6 +54,7 @@ def build_step_inputs(
     buckets: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
     block_size: int,
     num_blocks: int,
+    logits_shape: LogitsShape,
     prev_rows: Mapping[str, int] | None = None,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
@@ -116,6 +120,8 @@ def build_step_inputs(
     steps[:num_seqs] = [s.seq.num_sampled for s in scheduled]
     samples[:num_seqs] = [s.samples for s in scheduled]
     want_logprobs = any(s.samples and s.seq.params.logprobs is not None for s in scheduled)
+    processed = [(i, s.seq) for i, s in enumerate(scheduled)
+                 if s.samples and s.seq.logits_state is not None]
 
     return StepInputs(
         input_ids=input_ids,
@@ -127,10 +133,12 @@ def build_step_inputs(
         sampling=SamplingInputs(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
                                 steps=steps, samples=samples,
                                 want_logprobs=np.bool_(want_logprobs)),
+        processing=logits_processing.build(processed, logits_shape, s_pad),
     )
 
 
-def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int) -> StepInputs:
+def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
+                      logits_shape: LogitsShape) -> StepInputs:
     """Shape-only stand-in for compiling a bucket at warmup (all rows are padding)."""
     i32 = lambda n: np.zeros(n, np.int32)
     return StepInputs(
@@ -145,4 +153,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int)
                                 top_p=np.ones(s, np.float32), top_k=i32(s),
                                 seeds=np.zeros(s, np.uint32), steps=i32(s),
                                 samples=np.zeros(s, bool), want_logprobs=np.bool_(False)),
+        processing=logits_shape.unused(s),
     )

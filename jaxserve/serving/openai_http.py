@@ -36,6 +36,9 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status)
 
 
+_KEYED = ("/v1/", "/tokenize", "/detokenize")  # the routes behind the API key
+
+
 def build_app(server) -> web.Application:
     api = _Api(server)
     app = web.Application(middlewares=[api.middleware],
@@ -44,6 +47,9 @@ def build_app(server) -> web.Application:
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
+    app.router.add_get("/version", api.version)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
     app.router.add_get("/metrics", api.metrics)
     return app
 
@@ -55,8 +61,8 @@ class _Api:
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/") or (request.path == "/metrics"
-                                                    and not self.server.config.public_metrics):
+            if request.path.startswith(_KEYED) or (request.path == "/metrics"
+                                                   and not self.server.config.public_metrics):
                 auth = request.headers.get("Authorization", "")
                 key = auth[7:] if auth.startswith("Bearer ") else None
                 if not self.server.authorized(key):
@@ -90,8 +96,6 @@ class _Api:
             raise ApiError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.server.config.model_name!r}", param="model",
                            kind="not_found_error", code="model_not_found")
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
         return body
 
     def _params(self, body: dict, default_max_tokens: int | None) -> SamplingParams:
@@ -106,6 +110,12 @@ class _Api:
             if top is not None and not raw["logprobs"]:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             raw["logprobs"] = (0 if top is None else top) if raw["logprobs"] else None
+        structured = self._structured(body)
+        if structured is not None:
+            if raw.get("structured_outputs") is not None:
+                raise ApiError(400, "give structured_outputs or response_format / guided_*, "
+                                    "not both", param="structured_outputs")
+            raw["structured_outputs"] = structured
         try:
             params = SamplingParams.from_dict(raw)
             if "max_tokens" not in raw or raw["max_tokens"] is None:
@@ -114,6 +124,58 @@ class _Api:
         except ValueError as e:
             raise ApiError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
         return params
+
+    @staticmethod
+    def _template_options(body: dict, messages: list[dict]) -> dict:
+        """vLLM's add_generation_prompt (default true) and continue_final_message (the reply
+        goes on from the last, assistant, message instead of starting a new one)."""
+        opts = {}
+        for name, default in (("add_generation_prompt", True),
+                              ("continue_final_message", False)):
+            value = body.get(name, default)
+            if not isinstance(value, bool):
+                raise ApiError(400, f"{name} must be a boolean", param=name)
+            opts[name] = value
+        if opts["continue_final_message"]:
+            if opts["add_generation_prompt"] and "add_generation_prompt" in body:
+                raise ApiError(400, "continue_final_message and add_generation_prompt cannot "
+                                    "both be true", param="continue_final_message")
+            if messages[-1]["role"] != "assistant":
+                raise ApiError(400, "continue_final_message needs an assistant message last",
+                               param="continue_final_message")
+            opts["add_generation_prompt"] = False
+        return opts
+
+    #: vLLM's earlier request fields for structured output, and the kind each one names
+    GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+              "guided_grammar": "grammar"}
+
+    @classmethod
+    def _structured(cls, body: dict) -> dict | None:
+        """OpenAI's `response_format` (json_object, json_schema; text means none) or vLLM's
+        guided_* fields, as a `structured_outputs` value."""
+        found = []
+        fmt = body.get("response_format")
+        if fmt is not None:
+            kind = fmt.get("type") if isinstance(fmt, dict) else None
+            if kind == "json_object":
+                found.append({"json_object": True})
+            elif kind == "json_schema":
+                js = fmt.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise ApiError(400, "response_format.json_schema.schema must be a JSON "
+                                        "schema object", param="response_format")
+                found.append({"json": schema})
+            elif kind != "text":
+                raise ApiError(400, "response_format.type must be text, json_object or "
+                                    "json_schema", param="response_format")
+        found += [{kind: body[name]} for name, kind in cls.GUIDED.items()
+                  if body.get(name) is not None]
+        if len(found) > 1:
+            raise ApiError(400, "give one of response_format and the guided_* fields",
+                           param="response_format")
+        return found[0] if found else None
 
     async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str,
                       cache_salt=None):
@@ -218,34 +280,44 @@ class _Api:
             prompt, prompt_ids = None, prompt
         elif not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
-        if body.get("echo"):
-            raise ApiError(400, "echo is not supported", param="echo")
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise ApiError(400, "echo must be a boolean", param="echo")
         params = self._params(body, 16)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl",
                                                body.get("cache_salt"))
         created, model = int(time.time()), self.server.config.model_name
         rid = f"cmpl-{uuid.uuid4().hex}"
+        echoed = ""
+        if echo:  # the prompt's text, before each choice's
+            tok = self.server.engine.tokenizer
+            echoed = prompt if prompt is not None else (tok.decode(prompt_ids) if tok else "")
         if body.get("stream"):
+            first = ({"id": rid, "object": "text_completion", "created": created,
+                      "model": model, "choices": [{"index": i, "text": echoed, "logprobs": None,
+                                                   "finish_reason": None}
+                                                  for i in range(params.n)]}
+                     if echoed else None)
+
             def chunk(out):
-                comp = out.outputs[0]
-                lp = self._completion_logprobs(comp, new_only=True)
-                if not comp.new_text and not out.finished and lp is None:
-                    return None
+                choices = []
+                for comp in _moved(out):
+                    lp = self._completion_logprobs(comp, new_only=True)
+                    if comp.new_text or comp.finish_reason or lp is not None:
+                        choices.append({"index": comp.index, "text": comp.new_text,
+                                        "logprobs": lp, "finish_reason": comp.finish_reason})
                 return {"id": rid, "object": "text_completion", "created": created,
-                        "model": model, "choices": [{"index": 0, "text": comp.new_text,
-                                                     "logprobs": lp,
-                                                     "finish_reason": comp.finish_reason}]}
+                        "model": model, "choices": choices} if choices else None
             usage = ({"id": rid, "object": "text_completion", "created": created,
                       "model": model} if include_usage else None)
-            return await self._sse(request, engine_id, stream, chunk, usage_base=usage)
+            return await self._sse(request, engine_id, stream, chunk, first, usage_base=usage)
         out = await self._collect(request, engine_id, stream)
-        comp = out.outputs[0]
         return web.json_response({
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": comp.text,
-                         "logprobs": self._completion_logprobs(comp),
-                         "finish_reason": comp.finish_reason}],
+            "choices": [{"index": c.index, "text": echoed + c.text,
+                         "logprobs": self._completion_logprobs(c),
+                         "finish_reason": c.finish_reason} for c in out.outputs],
             "usage": _usage(out)})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -267,7 +339,7 @@ class _Api:
         prompt = await self.server.off_loop(
             tok.apply_chat_template, [{"role": m["role"], "content": m["content"]}
                                       for m in messages], tokenize=False,
-            add_generation_prompt=True)
+            **self._template_options(body, messages))
         params = self._params(body, None)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat",
@@ -277,27 +349,27 @@ class _Api:
         if body.get("stream"):
             base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": model}
-            first = base | {"choices": [{"index": 0, "delta": {"role": "assistant",
+            first = base | {"choices": [{"index": i, "delta": {"role": "assistant",
                                                                 "content": ""},
-                                         "finish_reason": None}]}
+                                         "finish_reason": None} for i in range(params.n)]}
 
             def chunk(out):
-                comp = out.outputs[0]
-                lp = self._chat_logprobs(comp, new_only=True)
-                if not comp.new_text and not out.finished and lp is None:
-                    return None
-                delta = {"content": comp.new_text} if comp.new_text else {}
-                return base | {"choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                            "finish_reason": comp.finish_reason}]}
+                choices = []
+                for comp in _moved(out):
+                    lp = self._chat_logprobs(comp, new_only=True)
+                    if comp.new_text or comp.finish_reason or lp is not None:
+                        delta = {"content": comp.new_text} if comp.new_text else {}
+                        choices.append({"index": comp.index, "delta": delta, "logprobs": lp,
+                                        "finish_reason": comp.finish_reason})
+                return base | {"choices": choices} if choices else None
             return await self._sse(request, engine_id, stream, chunk, first,
                                    base if include_usage else None)
         out = await self._collect(request, engine_id, stream)
-        comp = out.outputs[0]
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
-                         "logprobs": self._chat_logprobs(comp),
-                         "finish_reason": comp.finish_reason}],
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": self._chat_logprobs(c),
+                         "finish_reason": c.finish_reason} for c in out.outputs],
             "usage": _usage(out)})
 
     def _token_text(self, token_id: int) -> str:
@@ -340,6 +412,56 @@ class _Api:
             return web.json_response({"status": "error"}, status=503)
         return web.json_response({"status": "ok"})
 
+    async def version(self, request: web.Request) -> web.Response:
+        from jaxserve import __version__
+
+        return web.json_response({"version": __version__})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {"prompt": text} (add_special_tokens, default true) or
+        {"messages": [...]} through the chat template -> the token ids and their count."""
+        body = await self._body(request)
+        tok = self.server.engine.tokenizer
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer")
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise ApiError(400, "add_special_tokens must be a boolean",
+                           param="add_special_tokens")
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+                raise ApiError(400, "messages must be a non-empty list of {role, content}",
+                               param="messages")
+            text = await self.server.off_loop(tok.apply_chat_template, messages,
+                                              tokenize=False,
+                                              **self._template_options(body, messages))
+            add_special = False  # the template wrote them
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise ApiError(400, "prompt must be a string", param="prompt")
+        if len(text) > self.server.max_prompt_chars:
+            raise ApiError(400, "prompt is longer than the prompt limit", param="prompt")
+        ids = await self.server.off_loop(
+            lambda: tok(text, add_special_tokens=add_special).input_ids)
+        return web.json_response({"tokens": ids, "count": len(ids),
+                                  "max_model_len": self.server.engine.config.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tok = self.server.engine.tokenizer
+        ids = body.get("tokens")
+        vocab = self.server.engine.model_config.vocab_size
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer")
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab})",
+                           param="tokens")
+        return web.json_response({"prompt": tok.decode(ids)})
+
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text. Behind the API key when one is set, unless `public_metrics`."""
         return web.Response(body=self.server.exporter.render(),
@@ -351,8 +473,13 @@ def _event(obj: dict) -> bytes:
 
 
 def _usage(out) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    p, c = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _moved(out) -> list:
+    """The samples with something new in this output (all but the n > 1 ones that waited)."""
+    return [c for c in out.outputs if c.updated]
 
 
 def _entries(comp, new_only: bool) -> list[tuple[int, dict]] | None:

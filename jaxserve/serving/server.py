@@ -264,6 +264,11 @@ class Server:
         if ids is not None and len(ids) > limit:
             raise LimitError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens "
                              f"({limit})", "prompt")
+        if params.structured_outputs is not None and self.engine.grammars is not None:
+            try:  # compiled here, on the tokenizer thread: the engine thread finds it ready
+                await self.off_loop(self.engine.grammars.check, params.structured_outputs)
+            except ValueError as e:
+                raise LimitError(str(e), "structured_outputs") from None
         if max_tokens is None and cfg.max_tokens_limit is not None and ids is not None:
             room = self.engine.config.max_model_len - len(ids)
             params.max_tokens = max(1, min(cfg.max_tokens_limit, room))
@@ -443,10 +448,10 @@ class Server:
                     want_stream: bool):
         try:
             async for out in stream:
-                comp = out.outputs[0]
-                if want_stream and comp.new_token_ids and comp.finish_reason != "abort":
-                    conn.send({"type": "token", "id": cid, "text": comp.new_text,
-                               "token_ids": comp.new_token_ids})
+                for comp in out.outputs if want_stream else ():
+                    if comp.new_token_ids and comp.finish_reason != "abort":
+                        conn.send({"type": "token", "id": cid, "index": comp.index,
+                                   "text": comp.new_text, "token_ids": comp.new_token_ids})
                 if out.finished:
                     failure = engine_failure(out)
                     if failure is not None:
@@ -472,9 +477,16 @@ def engine_failure(out: RequestOutput) -> str | None:
 
 
 def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:
+    """The first sample's fields at the top; with n > 1 every sample under "choices"."""
     comp = out.outputs[0]
     m = out.metrics
-    return {"type": "done", "id": cid, "finish_reason": comp.finish_reason,
-            "stop_reason": comp.stop_reason, "text": comp.text, "token_ids": comp.token_ids,
-            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(comp.token_ids),
-            "ttft": m.ttft, "e2e": m.e2e}
+    frame = {"type": "done", "id": cid, "finish_reason": comp.finish_reason,
+             "stop_reason": comp.stop_reason, "text": comp.text, "token_ids": comp.token_ids,
+             "prompt_tokens": len(out.prompt_token_ids),
+             "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
+             "ttft": m.ttft, "e2e": m.e2e}
+    if len(out.outputs) > 1:
+        frame["choices"] = [{"index": c.index, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason, "text": c.text,
+                             "token_ids": c.token_ids} for c in out.outputs]
+    return frame

@@ -32,7 +32,7 @@ def test_from_dict_builds_and_normalizes():
     ({"max_tokens": True}, "max_tokens"),  # a bool is not an int here
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"stop_token_ids": 3}, "stop_token_ids"),
-    ({"n": 2}, "n"),
+    ({"n": "2"}, "n"),
 ])
 def test_from_dict_names_the_bad_field(raw, field):
     with pytest.raises(ValueError, match=f"^{field}: "):

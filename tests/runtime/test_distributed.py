@@ -40,13 +40,14 @@ def _flags(**kw) -> list[str]:
 
 class Launched:
     """`python -m jaxserve launch --num-processes 2 --cpu-devices-per-process 2 --
-    scripts/serve.py --tensor-parallel-size 4 ...` as the README gives it."""
+    scripts/serve.py --tensor-parallel-size 4 ...` as the README gives it. Without the
+    compilation cache: a process killed while writing an entry would leave it cut short."""
 
     def __init__(self):
         cmd = [sys.executable, "-m", "jaxserve", "launch", "--num-processes", "2",
                "--cpu-devices-per-process", "2", "--", os.path.join(ROOT, "scripts", "serve.py"),
                "--tensor-parallel-size", "4", "--port", "0", "--http-port", "0",
-               "--no-warmup", *_flags(**ENGINE_ARGS)]
+               "--no-warmup", "--compilation-cache-dir", "", *_flags(**ENGINE_ARGS)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []

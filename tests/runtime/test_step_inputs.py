@@ -8,6 +8,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence
+from jaxserve.runtime.logits_processing import LogitsShape
 from jaxserve.runtime.step_inputs import (
     build_step_inputs,
     dummy_step_inputs,
@@ -18,6 +19,7 @@ from jaxserve.runtime.step_inputs import (
 BUCKETS = ((8, 16, 32), (2, 4), (2, 4))
 BLOCK = 4
 POOL = 20
+SHAPE = LogitsShape(vocab_size=100, history=32)
 
 
 def seq(rid, prompt, out=(), blocks=(), computed=0, **params) -> Sequence:
@@ -36,7 +38,7 @@ def test_mixed_prefill_chunk_and_decode():
             temperature=0.5, top_p=0.9, top_k=3)
     sched = [ScheduledSeq.of(a, 5), ScheduledSeq.of(b, 1)]
     assert [s.samples for s in sched] == [False, True]
-    inp = build_step_inputs(sched, BUCKETS, BLOCK, POOL)
+    inp = build_step_inputs(sched, BUCKETS, BLOCK, POOL, SHAPE)
     assert inp.bucket == (8, 4, 2)  # 8 token rows can hold 4 sequences: S pads to 4
     md = inp.attn
     np.testing.assert_array_equal(inp.input_ids, [11, 12, 13, 14, 15, 27, 0, 0])
@@ -63,12 +65,13 @@ def test_the_sequence_bucket_follows_the_token_bucket():
     assert [seq_bucket((8, 16, 64), t) for t in (8, 16, 32, 512)] == [8, 16, 64, 64]
     assert seq_bucket((2, 4), 2) == 2
     a = seq("a", [1, 2, 3], blocks=[0], temperature=0, logprobs=2)
-    assert build_step_inputs([ScheduledSeq.of(a, 3)], BUCKETS, BLOCK, POOL).sampling.want_logprobs
+    inp = build_step_inputs([ScheduledSeq.of(a, 3)], BUCKETS, BLOCK, POOL, SHAPE)
+    assert inp.sampling.want_logprobs
 
 
 def test_padding_sequences_and_blocks_take_the_next_bucket():
     seqs = [seq(f"s{i}", [5, 6, 7], blocks=[i], temperature=0) for i in range(3)]
-    inp = build_step_inputs([ScheduledSeq.of(s, 3) for s in seqs], BUCKETS, BLOCK, POOL)
+    inp = build_step_inputs([ScheduledSeq.of(s, 3) for s in seqs], BUCKETS, BLOCK, POOL, SHAPE)
     assert inp.bucket == (16, 4, 2)
     md = inp.attn
     np.testing.assert_array_equal(md.query_start_loc, [0, 3, 6, 9, 9])  # padding seq: empty
@@ -83,4 +86,4 @@ def test_a_step_beyond_the_largest_bucket_is_refused():
 
 
 def test_dummy_inputs_have_the_bucket_shape():
-    assert dummy_step_inputs(16, 4, 2, BLOCK, POOL).bucket == (16, 4, 2)
+    assert dummy_step_inputs(16, 4, 2, BLOCK, POOL, SHAPE).bucket == (16, 4, 2)

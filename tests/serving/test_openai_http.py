@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -175,3 +176,164 @@ def test_chat_logprobs_with_top_logprobs(client):
     r = client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=2)
     assert r.choices[0].logprobs is None
+
+
+# ------------------------------------------------------ sampling options and structured output
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "London", "Tokyo", "Lima"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_fifty_json_schema_answers_validate(client):
+    """response_format json_schema through the openai client: 25 greedy and 25 sampled chats,
+    all at once; every answer parses and validates against the schema."""
+    import concurrent.futures
+
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    def ask(i: int) -> str:
+        r = client.chat.completions.create(
+            model="smollm2", max_tokens=80, response_format=fmt,
+            messages=[{"role": "user", "content": f"Invent person number {i} as JSON."}],
+            **(dict(temperature=0) if i < 25 else dict(temperature=0.9, seed=i)))
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(ask, range(50)))
+    for text in answers:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(answers[25:])) > 5
+
+
+def test_logit_bias_penalties_and_constraints_over_http(client, smollm):
+    def complete(**kw):
+        r = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                      max_tokens=kw.pop("max_tokens", 8), temperature=0, **kw)
+        return r.choices[0]
+
+    [paris] = smollm.tokenizer(" Paris", add_special_tokens=False).input_ids
+    assert complete().text.startswith(" Paris")
+    assert "Paris" not in complete(logit_bias={str(paris): -100}).text  # JSON keys: strings
+    assert complete(logit_bias={str(paris): 100}, max_tokens=3).text == " Paris" * 3
+    assert complete(extra_body={"guided_choice": ["yes", "no"]}).text in ("yes", "no")
+    regex = complete(extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]{1,8} \d"}})
+    assert re.fullmatch(r"[A-Z][a-z]{1,8} \d", regex.text)
+    penalized = complete(presence_penalty=2.0, frequency_penalty=2.0, max_tokens=16)
+    assert penalized.text != complete(max_tokens=16).text
+
+
+def test_streamed_equals_plain_with_options(client):
+    kw = dict(model="smollm2", max_tokens=40, temperature=0, presence_penalty=0.8,
+              logit_bias={"30": -5},
+              messages=[{"role": "user", "content": "Describe Lima as JSON."}],
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "p", "schema": PERSON}})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == plain and json.loads(plain)["city"] in PERSON["properties"]["city"]["enum"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": {"type": "objectx"}}}},
+     "structured_outputs"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_regex": "[a-z"}, "structured_outputs"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"presence_penalty": 5}, "presence_penalty"),
+])
+def test_bad_options_are_400_naming_the_field(server, client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=4, extra_body=extra)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param, err.value.body
+    r = client.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+    assert r.choices[0].text is not None
+
+
+def test_n_samples_over_http(client):
+    """n=3 chat and completions: three choices at their indices, usage counting the prompt
+    once; a streamed n=2 greedy request gives each choice the text of the plain one."""
+    chat = client.chat.completions.create(
+        model="smollm2", n=3, temperature=1.0, seed=4, max_tokens=12,
+        messages=[{"role": "user", "content": "Name a fruit."}])
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert len({c.message.content for c in chat.choices}) > 1
+    assert chat.usage.completion_tokens <= 36 and chat.usage.prompt_tokens < 40
+    kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=10, temperature=0, n=2)
+    plain = client.completions.create(**kw)
+    assert [c.index for c in plain.choices] == [0, 1]
+    assert plain.choices[0].text == plain.choices[1].text
+    texts, finals = {0: "", 1: ""}, {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                assert c.index not in finals  # each choice finishes once
+                finals[c.index] = c.finish_reason
+    assert texts == {0: plain.choices[0].text, 1: plain.choices[1].text}
+    assert set(finals) == {0, 1}
+
+
+def _post(server, path: str, body: dict, key: str | None = "k") -> tuple[int, dict]:
+    req = urllib.request.Request(server.http_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_detokenize_and_version(server, smollm):
+    tok = smollm.tokenizer
+    status, got = _post(server, "/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and got["tokens"] == tok("Hello world").input_ids
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 256
+    status, plain = _post(server, "/tokenize", {"prompt": "Hi", "add_special_tokens": False})
+    assert plain["tokens"] == tok("Hi", add_special_tokens=False).input_ids
+    msgs = [{"role": "user", "content": "Hi"}]
+    _, chat = _post(server, "/tokenize", {"messages": msgs})
+    assert chat["tokens"] == tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+    status, back = _post(server, "/detokenize", {"tokens": got["tokens"]})
+    assert status == 200 and back["prompt"] == tok.decode(got["tokens"])
+    status, err = _post(server, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    assert _post(server, "/tokenize", {"prompt": "x"}, key=None)[0] == 401
+    with urllib.request.urlopen(server.http_url + "/version") as r:
+        import jaxserve
+
+        assert json.loads(r.read())["version"] == jaxserve.__version__
+
+
+def test_echo_continue_final_message_and_unknown_fields(client):
+    """echo puts the prompt before the text (streamed too); continue_final_message goes on
+    from the assistant's last message; fields this server does not know (and `user`) are
+    ignored, as vLLM does."""
+    kw = dict(model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0)
+    base = client.completions.create(**kw).choices[0].text
+    echoed = client.completions.create(echo=True, **kw).choices[0].text
+    assert echoed == "The capital of France is" + base
+    streamed = "".join(c.choices[0].text for c in
+                       client.completions.create(echo=True, stream=True, **kw) if c.choices)
+    assert streamed == echoed
+    assert client.completions.create(user="u-1", extra_body={"no_such_field": 3},
+                                     **kw).choices[0].text == base
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    cont = client.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=4, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert "Paris" in cont.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model="smollm2", messages=msgs[:1], max_tokens=4,
+                                       extra_body={"continue_final_message": True})

@@ -245,3 +245,18 @@ def test_socket_raw_oversized_frame_gets_error_then_close(server):
     assert frame["code"] == "frame_too_large" and "max_frame_bytes" in frame["message"]
     assert s.recv(4096) == b""  # closed
     s.close()
+
+
+def test_n_samples_over_the_socket(server):
+    """A token frame per sample that moved (with its index); the done frame carries every
+    sample under "choices" and counts all their tokens."""
+    with Client("127.0.0.1", server.port) as c:
+        frames = list(c.generate_stream("Once upon a time", n=3, temperature=1.0, seed=9,
+                                        max_tokens=6, ignore_eos=True))
+    done = frames[-1]
+    assert done["type"] == "done" and [ch["index"] for ch in done["choices"]] == [0, 1, 2]
+    for ch in done["choices"]:
+        streamed = [t for f in frames[:-1] if f["index"] == ch["index"]
+                    for t in f["token_ids"]]
+        assert streamed == ch["token_ids"] and len(streamed) == 6
+    assert done["completion_tokens"] == 18 and done["token_ids"] == done["choices"][0]["token_ids"]
