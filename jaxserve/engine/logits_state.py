@@ -4,9 +4,14 @@ tokens the host has. No jax here."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from jaxserve.core.sampling_params import SamplingParams
+
+_executor = None  # llguidance's thread pool for the grammar masks, made at the first use
+_executor_lock = threading.Lock()
 
 
 def token_bits(token_ids, vocab_size: int) -> np.ndarray:
@@ -50,10 +55,24 @@ class LogitsState:
         out_counts[np.searchsorted(ids, out_ids)] = counts
         return ids, out_counts, np.isin(ids, self.prompt_ids, assume_unique=True)
 
+    @staticmethod
+    def fill_grammar_masks(rows, mask: np.ndarray) -> None:
+        """Write the grammar masks of `rows` ((row index, Sequence) whose state has a
+        matcher) into their rows of the step's `mask`, all at once on llguidance's threads
+        (which do not hold the GIL)."""
+        global _executor
+        import llguidance
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        with _executor_lock:
+            if _executor is None:
+                _executor = llguidance.LLExecutor()
+        fill_next_token_bitmask_par(_executor, [(seq.logits_state.matcher, i)
+                                                for i, seq in rows], mask)
+
     def fill_mask(self, seq, row: np.ndarray) -> None:
-        """Row `row` (all allowed on entry) of the step's mask, for the next token of `seq`."""
-        if self.matcher is not None:
-            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        """Narrow row `row` of the step's mask (its grammar's mask, or all allowed) to what
+        the request's other options allow for its next token."""
         if self.allowed is not None:
             row &= self.allowed
         out = seq.output_token_ids

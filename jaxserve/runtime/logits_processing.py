@@ -69,6 +69,9 @@ def build(rows, shape: LogitsShape, s_pad: int) -> LogitsInputs:
     if not rows:
         return shape.unused(s_pad)
     li = shape.neutral(s_pad)
+    constrained = [(i, seq) for i, seq in rows if seq.logits_state.matcher is not None]
+    if constrained:  # the host state's class knows how (runtime does not import engine)
+        constrained[0][1].logits_state.fill_grammar_masks(constrained, li.mask)
     for i, seq in rows:
         p = seq.params
         li.min_p[i] = p.min_p
