@@ -104,6 +104,17 @@ def layout_params(params: dict, num_layers: int, scan_layers: bool) -> dict:
     return out
 
 
+def head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
+    """The output projection among a Transformer's params: the embedding when tied."""
+    return params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def lm_logits(cfg: ModelConfig, x: jax.Array, head: jax.Array) -> jax.Array:
+    """Final hidden states (N, D) -> logits (N, V) float32, through head_weight()."""
+    spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"
+    return jnp.einsum(spec, x, head, preferred_element_type=jnp.float32)
+
+
 class Transformer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
@@ -118,7 +129,7 @@ class Transformer(nn.Module):
         v_pages: jax.Array,  # (L, P, B, K, H)
         md: AttentionMetadata,
         logits_indices: jax.Array,  # (S,) int32: the row whose hidden state makes each seq's logits
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # updated pages, logits (S, V) float32
+    ) -> tuple[jax.Array, ...]:  # updated pages, logits (S, V) float32, final hidden (T, D)
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                            dt)
@@ -145,11 +156,8 @@ class Transformer(nn.Module):
                                                                                      sin, md)
             x, k_pages, v_pages, _ = carry
 
-        x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x[logits_indices])  # (S, D)
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("SD,VD->SV", x, embed, preferred_element_type=jnp.float32)
-        else:
-            lm_head = self.param("lm_head", nn.initializers.normal(0.02),
-                                 (cfg.hidden_size, cfg.vocab_size), dt)
-            logits = jnp.einsum("SD,DV->SV", x, lm_head, preferred_element_type=jnp.float32)
-        return k_pages, v_pages, logits
+        # Every row is normalized (a (T, D) elementwise op): prompt logprobs read them all.
+        x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)  # (T, D)
+        head = embed if cfg.tie_word_embeddings else self.param(
+            "lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size), dt)
+        return k_pages, v_pages, lm_logits(cfg, x[logits_indices], head), x

@@ -9,6 +9,9 @@ response's usage), TTFT and end-to-end latency medians (streamed) and each reque
 after its first token. With --concurrency 1 that rate is the batch-1 decode speed.
 `--json-schema builtin` (or a schema file) asks every request for JSON through
 `response_format`, to weigh structured output against the same run without it.
+`--compare-structured` runs both in one go: first with the schema, then without it, each
+request then asked for exactly as many tokens as its JSON answer had (`ignore_eos`), so the two
+runs generate the same tokens per request and differ only by the grammar's work.
 """
 
 from __future__ import annotations
@@ -48,13 +51,29 @@ def one_request(client, model: str, prompt: str, max_tokens: int,
     return (first if first is not None else end), end, tokens
 
 
-def run(client, model: str, prompts: list[str], max_tokens: int, concurrency: int,
-        extra: dict):
+def run(client, model: str, prompts: list[str], max_tokens: int | list[int],
+        concurrency: int, extra: dict):
+    """`max_tokens`: one for all, or one per prompt."""
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: one_request(client, model, p, max_tokens, extra),
-                                prompts))
+        results = list(pool.map(lambda p, m: one_request(client, model, p, m, extra),
+                                prompts, limits))
     return time.perf_counter() - t0, results
+
+
+def measure(client, model, prompts, max_tokens, concurrency, extra, label: str):
+    """A warm-up run, then a timed one; prints its line and returns (tok/s, results)."""
+    run(client, model, prompts, max_tokens, concurrency, extra)
+    dur, results = run(client, model, prompts, max_tokens, concurrency, extra)
+    n = sum(r[2] for r in results)
+    print(f"{label}{len(prompts)} requests at concurrency {concurrency}: {n} output tokens in "
+          f"{dur:.2f} s = {n / dur:.1f} output tok/s; TTFT p50 "
+          f"{statistics.median(r[0] for r in results) * 1e3:.0f} ms; E2E p50 "
+          f"{statistics.median(r[1] for r in results):.2f} s; per-request decode p50 "
+          f"{statistics.median((r[2] - 1) / (r[1] - r[0]) for r in results if r[2] > 1):.1f} "
+          "tok/s (tokens after the first / time after the first)", flush=True)
+    return n / dur, results
 
 
 def main() -> None:
@@ -67,7 +86,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json-schema", default=None,
                     help="'builtin' or a JSON schema file: every request asks for JSON")
+    ap.add_argument("--compare-structured", action="store_true",
+                    help="the schema (builtin by default), then the same lengths without it")
     args = ap.parse_args()
+    if args.compare_structured and not args.json_schema:
+        args.json_schema = "builtin"
     extra = {}
     if args.json_schema:
         if args.json_schema == "builtin":
@@ -83,15 +106,15 @@ def main() -> None:
     client = OpenAI(base_url=args.base_url, api_key=args.api_key, timeout=600)
     model = args.model or client.models.list().data[0].id
     prompts = make_prompts(args.num_prompts)
-    run(client, model, prompts, args.max_tokens, args.concurrency, extra)  # warm-up
-    dur, results = run(client, model, prompts, args.max_tokens, args.concurrency, extra)
-    n = sum(r[2] for r in results)
-    print(f"{len(prompts)} requests at concurrency {args.concurrency}: {n} output tokens in "
-          f"{dur:.2f} s = {n / dur:.1f} output tok/s; TTFT p50 "
-          f"{statistics.median(r[0] for r in results) * 1e3:.0f} ms; E2E p50 "
-          f"{statistics.median(r[1] for r in results):.2f} s; per-request decode p50 "
-          f"{statistics.median((r[2] - 1) / (r[1] - r[0]) for r in results if r[2] > 1):.1f} "
-          "tok/s (tokens after the first / time after the first)")
+    label = "structured: " if args.compare_structured else ""
+    rate, results = measure(client, model, prompts, args.max_tokens, args.concurrency, extra,
+                            label)
+    if args.compare_structured:
+        lengths = [max(1, r[2]) for r in results]
+        free, _ = measure(client, model, prompts, lengths, args.concurrency,
+                          {"extra_body": {"ignore_eos": True}}, "free, same lengths: ")
+        print(f"structured output: {rate / free:.3f}x the output tok/s of the same tokens "
+              f"without it ({(1 - rate / free) * 100:+.1f}% slower)")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ def time_engine(dry_run: bool) -> list[dict]:
             input_ids=np.ones(t, np.int32), prev_rows=np.full(t, -1, np.int32),
             attn=AttentionMetadata(pos, tseq, slots, tables, np.full(b, ctx + 1, np.int32), qsl),
             logits_indices=np.arange(b, dtype=np.int32),
+            prompt_targets=np.full(t, -1, np.int32),
             sampling=SamplingInputs(np.zeros(b, np.float32), np.ones(b, np.float32),
                                     np.zeros(b, np.int32), np.zeros(b, np.uint32),
                                     np.zeros(b, np.int32), np.ones(b, bool), np.bool_(False)),

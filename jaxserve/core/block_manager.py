@@ -123,7 +123,9 @@ class BlockManager:
 
     def matchable_names(self, seq: Sequence) -> list[BlockHash]:
         """The names of the blocks of `seq` a cache may supply: every full block that ends
-        before its last known token."""
+        before its last known token (none while its prompt logprobs are still to come)."""
+        if seq.needs_prompt_logprobs:
+            return []
         max_blocks = (self._num_known(seq) - 1) // self.block_size
         return self._hashes(seq, max_blocks)[:max_blocks]
 

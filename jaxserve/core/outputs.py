@@ -80,3 +80,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics  # live: the engine keeps updating it until the request finishes
+    # With prompt_logprobs: entry i for prompt token i, {"logprob", "rank", "top"} (the first,
+    # with nothing before it, None); complete by the request's first output.
+    prompt_logprobs: list[dict | None] | None = None

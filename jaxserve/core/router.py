@@ -15,11 +15,12 @@ replicas take turns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections import OrderedDict
 
-from jaxserve.core.block_hash import BlockHash, extend_hashes
+from jaxserve.core.block_hash import BlockHash, check_salt, extend_hashes
 
 
 @dataclasses.dataclass
@@ -46,12 +47,17 @@ class Router:
 
     def route(self, request_id: str, prompt_token_ids: list[int] | None = None,
               cache_salt: str | None = None) -> int:
-        """Pick the replica for a new request and count it there."""
+        """Pick the replica for a new request and count it there. Raises ValueError for a
+        bad cache_salt; ids that are not token ids are routed by load alone (the replica
+        then refuses them, naming the field)."""
+        check_salt(cache_salt)
+        names = []
+        if self.prefix_aware and prompt_token_ids:
+            with contextlib.suppress(TypeError, OverflowError):
+                names = extend_hashes([], prompt_token_ids, self.block_size, cache_salt)
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            names = (extend_hashes([], prompt_token_ids, self.block_size, cache_salt)
-                     if self.prefix_aware and prompt_token_ids else [])
             least = min(range(len(self.loads)),
                         key=lambda i: (self.loads[i].in_flight, self.loads[i].routed))
             best, hit = least, 0

@@ -55,6 +55,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None  # a seed makes the samples independent of what shares the batch
     logprobs: int | None = None  # return the sampled token's logprob and this many top ones
+    # Return each prompt token's logprob (given the tokens before it), its rank, and this many
+    # top ones. Such a request computes its whole prompt (it takes nothing from the prefix cache).
+    prompt_logprobs: int | None = None
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
     # Penalties, with vLLM's (and OpenAI's) definitions: presence subtracts once from every
     # token the output holds, frequency once per occurrence; repetition divides a positive
@@ -129,11 +132,10 @@ class SamplingParams:
                              f"ints, got {_clip(self.stop_token_ids)}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2^64), got {self.seed!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= max_logprobs
-        ):
-            raise ValueError(
-                f"logprobs must be an int in [0, {max_logprobs}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= max_logprobs):
+                raise ValueError(f"{name} must be an int in [0, {max_logprobs}], got {v!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

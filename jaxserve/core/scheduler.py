@@ -79,6 +79,32 @@ class ScheduledSeq:
                             not seq.is_decoding)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptRows:
+    """A run of one sequence's query rows whose prompt logprobs the step computes: rows
+    row .. row+count-1 give its prompt entries first .. first+count-1 (entry i: token i given
+    those before it, computed from the row of token i-1)."""
+
+    seq: Sequence
+    row: int
+    first: int
+    count: int
+
+
+def prompt_rows(scheduled: list[ScheduledSeq]) -> list[PromptRows]:
+    """The prompt-logprob rows of a step: entries no earlier step was launched to compute."""
+    rows, row = [], 0
+    for s in scheduled:
+        seq = s.seq
+        if seq.needs_prompt_logprobs:
+            first = max(seq.prompt_logprobs_next, s.start + 1)
+            end = min(s.start + s.num_tokens + 1, len(seq.prompt_token_ids))
+            if end > first:
+                rows.append(PromptRows(seq, row + first - 1 - s.start, first, end - first))
+        row += s.num_tokens
+    return rows
+
+
 @dataclasses.dataclass(slots=True)
 class KVCopy:
     to_host: bool  # device -> host (else host -> device)

@@ -31,7 +31,7 @@ class Sequence:
                  "arrival_index", "priority", "status", "num_computed_tokens", "block_table",
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
                  "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
-                 "logits_state", "waits_for")
+                 "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -51,6 +51,10 @@ class Sequence:
         self.detok = None  # incremental detokenizer state, owned by the engine
         self.text = ""
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # Entry i: prompt token i given those before it (the first has none, so None).
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_next = 1  # the first entry no launched step computes yet
         self.num_swapped_blocks = 0
         self.num_pending = 0
         # Prefix caching (core/block_manager.py): the names of its full blocks, how many of its
@@ -125,6 +129,13 @@ class Sequence:
     def is_prefilling_prompt(self) -> bool:
         """Not finished, and its prompt not all computed (or launched) yet."""
         return not self.is_finished and self.num_computed_tokens < len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are still to be computed: its prompt rows
+        must run, so it takes no blocks from the prefix cache (as vLLM does)."""
+        return (self.prompt_logprobs is not None
+                and self.prompt_logprobs_next < len(self.prompt_token_ids))
 
     @property
     def is_decoding(self) -> bool:

@@ -21,7 +21,13 @@ from jaxserve.core.block_hash import check_salt
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams, fold_seed
-from jaxserve.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import (
+    PromptRows,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    prompt_rows,
+)
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -29,8 +35,7 @@ from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
-from jaxserve.runtime.runner import ModelRunner, RecompileError
-from jaxserve.runtime.sampling import SamplerOutput
+from jaxserve.runtime.runner import ModelRunner, RecompileError, StepResult
 from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
 from models.loader import LoadedModel, load_model
 
@@ -66,9 +71,19 @@ class _Launched:
 
     sched: SchedulerOutput
     inputs: StepInputs
-    output: SamplerOutput  # device arrays
+    output: StepResult  # device arrays
     rows: dict[str, int]  # request id -> its row, for the rows that sample
+    prompt_rows: list[PromptRows]  # the query rows whose prompt logprobs it computes
     t0: float  # when its scheduling began
+
+
+def _prompt_logprobs(seqs: list[Sequence]) -> list[dict | None] | None:
+    """An n > 1 request's prompt logprobs: those of a sample that has scored all its prompt
+    (whichever got there first when each computes its own)."""
+    size = len(seqs[0].prompt_token_ids)
+    return next((s.prompt_logprobs for s in seqs
+                 if s.prompt_logprobs is not None and len(s.prompt_logprobs) == size),
+                seqs[0].prompt_logprobs)
 
 
 class QueueFullError(RuntimeError):
@@ -160,12 +175,17 @@ class LLMEngine:
         n = params.n
         seqs = []
         for i in range(n):  # n > 1: one sequence per sample, named "<request_id>#<i>"
-            child = params if n == 1 else dataclasses.replace(params, n=1)
+            # (a sample that reads the prompt from the cache cannot score it: the first does)
+            shared = i > 0 and self.block_manager.enable_caching
+            child = params if n == 1 else dataclasses.replace(
+                params, n=1, prompt_logprobs=None if shared else params.prompt_logprobs)
             seed = ((fold_seed(params.seed) + i) & 0xFFFFFFFF if params.seed is not None else
                     (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
             seq = Sequence(request_id if n == 1 else f"{request_id}#{i}", ids, child,
                            self._arrivals, seed, priority, arrival_time, cache_salt)
-            seq.logits_state = self._logits_state(child, ids) if child.processes_logits else None
+            if child.processes_logits:  # built once; the other samples share its parts
+                seq.logits_state = (self._logits_state(child, ids) if i == 0 else
+                                    seqs[0].logits_state.sibling(self._matcher(child)))
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
             self._arrivals += 1
@@ -187,12 +207,8 @@ class LLMEngine:
     def _logits_state(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsState:
         """Check the fields that need the vocabulary and build the request's host state for
         processing its logits (compiling its grammar)."""
-        vocab = self.model_config.vocab_size
         for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in (getattr(params, name) or ()) if t >= vocab]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {vocab})")
+            self._check_vocab(name, getattr(params, name) or ())
         bad_words = []
         if params.bad_words:
             if self.tokenizer is None:
@@ -202,12 +218,24 @@ class LLMEngine:
                     ids = self.tokenizer(text, add_special_tokens=False).input_ids
                     if ids and ids not in bad_words:
                         bad_words.append(ids)
-        matcher = None
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise ValueError("structured_outputs: this model has no tokenizer")
-            matcher = self.grammars.matcher(params.structured_outputs)
-        return LogitsState(params, prompt_ids, vocab, self.eos_token_ids, bad_words, matcher)
+        return LogitsState(params, prompt_ids, self.model_config.vocab_size,
+                           self.eos_token_ids, bad_words, self._matcher(params))
+
+    def _matcher(self, params: SamplingParams):
+        """A fresh grammar matcher for the request's structured output, or None."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs: this model has no tokenizer")
+        return self.grammars.matcher(params.structured_outputs)
+
+    def _check_vocab(self, name: str, token_ids) -> None:
+        """Raise ValueError naming `name` unless every one of `token_ids` is a token id."""
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                raise ValueError(f"{name}: token id {t!r} is outside the vocabulary "
+                                 f"[0, {vocab})")
 
     def prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
         """The token ids a request runs (its prompt tokenized, or its ids checked); raises
@@ -224,11 +252,7 @@ class LLMEngine:
             ids = self.tokenizer(prompt).input_ids
         else:
             ids = list(prompt_token_ids)
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary "
-                                     f"[0, {vocab})")
+            self._check_vocab("prompt_token_ids", ids)
             ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prompt must not be empty (no tokens)")
@@ -309,7 +333,7 @@ class LLMEngine:
             finished = all(s.is_finished for s in seqs)
             prompt = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
             result.append(RequestOutput(rid, prompt, seqs[0].prompt_token_ids, outs, finished,
-                                        seqs[0].metrics))
+                                        seqs[0].metrics, _prompt_logprobs(seqs)))
             if finished:
                 del self._groups[rid]
                 for s in seqs:
@@ -384,8 +408,11 @@ class LLMEngine:
                 self._fail_seqs(sched.scheduled, e)
                 return None
             self.postprocessor.launched(sched.scheduled)
+        prompt = prompt_rows(sched.scheduled)
+        for r in prompt:
+            r.seq.prompt_logprobs_next = r.first + r.count
         rows = {s.seq.request_id: i for i, s in enumerate(sched.scheduled) if s.samples}
-        return _Launched(sched, inp, out, rows, t0)
+        return _Launched(sched, inp, out, rows, prompt, t0)
 
     def _fail_culprits(self, scheduled: list[ScheduledSeq], error: Exception) -> None:
         """Building a step's inputs raised: fail the sequences whose rows fail on their own
@@ -409,7 +436,7 @@ class LLMEngine:
         want_lp = bool(step.inputs.sampling.want_logprobs)
         with jax.profiler.TraceAnnotation("jaxserve.wait_tokens"):
             try:
-                result = self.runner.fetch(step.output, want_lp)
+                result = self.runner.fetch(step.output, want_lp, bool(step.prompt_rows))
             except Exception as e:  # noqa: BLE001 - the device step failed for all of its rows
                 self._fail_seqs(step.sched.scheduled, e)
                 return []
@@ -417,6 +444,11 @@ class LLMEngine:
         scheduled = step.sched.scheduled
         outputs = []
         with jax.profiler.TraceAnnotation("jaxserve.postprocess"):
+            for r in step.prompt_rows:  # in step order, so each list grows in prompt order
+                if not r.seq.is_finished:
+                    k = r.seq.params.prompt_logprobs
+                    r.seq.prompt_logprobs.extend(result.prompt_entry(r.row + j, k)
+                                                 for j in range(r.count))
             updates = self.postprocessor.resolve(scheduled, result.rows(len(scheduled)), now,
                                                  result.logprob_entry if want_lp else None)
             for u in updates:
@@ -475,4 +507,4 @@ class LLMEngine:
         prompt = (self._prompts.pop(seq.request_id, None) if seq.is_finished
                   else self._prompts.get(seq.request_id))
         return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [comp],
-                             seq.is_finished, seq.metrics)
+                             seq.is_finished, seq.metrics, seq.prompt_logprobs)

@@ -29,9 +29,13 @@ def clear_bits(row: np.ndarray, token_ids) -> None:
 
 
 class LogitsState:
-    """Built once per request (LLMEngine.add_request) when its params process the logits."""
+    """Built once per request (LLMEngine.add_request) when its params process the logits.
 
-    __slots__ = ("allowed", "bad_words", "stop_ids", "prompt_ids", "matcher")
+    The samples of an n > 1 request share the parts that only depend on the request
+    (`shared()`: its allowed mask and bad words); each keeps its own grammar and history."""
+
+    __slots__ = ("allowed", "bad_words", "stop_ids", "matcher", "hist_ids", "hist_counts",
+                 "hist_in_prompt", "hist_size", "_hist_row")
 
     def __init__(self, params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
                  eos_token_ids, bad_words: list[list[int]], matcher=None):
@@ -41,19 +45,53 @@ class LogitsState:
         # min_tokens bans what would stop the request early
         self.stop_ids = sorted(set(params.stop_token_ids)
                                | (set() if params.ignore_eos else set(eos_token_ids)))
-        self.prompt_ids = (np.unique(np.asarray(prompt_token_ids, np.int64))
-                           if params.penalized else None)
         self.matcher = matcher  # an llguidance matcher (engine/structured_output.py), or None
+        # The penalties' history: the distinct tokens of the prompt and the output so far,
+        # each with its count in the output and whether the prompt holds it. It grows by one
+        # token per step (consume), so a step copies it rather than recounting the output.
+        self.hist_size = 0
+        self._hist_row: dict[int, int] | None = None  # token id -> its slot
+        if params.penalized:
+            ids = np.unique(np.asarray(prompt_token_ids, np.int64)).astype(np.int32)
+            self.hist_size = len(ids)
+            cap = len(ids) + min(params.max_tokens or 64, 64)
+            self.hist_ids = np.zeros(cap, np.int32)
+            self.hist_ids[:len(ids)] = ids
+            self.hist_counts = np.zeros(cap, np.int32)
+            self.hist_in_prompt = np.zeros(cap, bool)
+            self.hist_in_prompt[:len(ids)] = True
+            self._hist_row = {t: i for i, t in enumerate(ids.tolist())}
 
-    def history(self, seq) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The distinct tokens of the prompt and the output, with their counts in the output
-        and whether the prompt holds them."""
-        out_ids, counts = np.unique(np.asarray(seq.output_token_ids, np.int64),
-                                    return_counts=True)
-        ids = np.union1d(self.prompt_ids, out_ids)
-        out_counts = np.zeros(len(ids), np.int32)
-        out_counts[np.searchsorted(ids, out_ids)] = counts
-        return ids, out_counts, np.isin(ids, self.prompt_ids, assume_unique=True)
+    def sibling(self, matcher=None) -> LogitsState:
+        """The state of another sample of the same request: the request's parts shared, its
+        own grammar matcher and history."""
+        twin = object.__new__(LogitsState)
+        twin.allowed, twin.bad_words, twin.stop_ids = self.allowed, self.bad_words, self.stop_ids
+        twin.matcher = matcher
+        twin.hist_size, twin._hist_row = self.hist_size, None
+        if self._hist_row is not None:
+            twin._hist_row = dict(self._hist_row)
+            twin.hist_ids = self.hist_ids.copy()
+            twin.hist_counts = self.hist_counts.copy()
+            twin.hist_in_prompt = self.hist_in_prompt.copy()
+        return twin
+
+    def history(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, output counts, in prompt) of the history's distinct tokens."""
+        n = self.hist_size
+        return self.hist_ids[:n], self.hist_counts[:n], self.hist_in_prompt[:n]
+
+    def _count(self, token: int) -> None:
+        i = self._hist_row.get(token)
+        if i is None:
+            i = self._hist_row[token] = self.hist_size
+            if i == len(self.hist_ids):  # full: double it
+                grow = lambda a: np.concatenate([a, np.zeros_like(a)])
+                self.hist_ids, self.hist_counts, self.hist_in_prompt = map(
+                    grow, (self.hist_ids, self.hist_counts, self.hist_in_prompt))
+            self.hist_ids[i] = token
+            self.hist_size += 1
+        self.hist_counts[i] += 1
 
     @staticmethod
     def fill_grammar_masks(rows, mask: np.ndarray) -> None:
@@ -84,8 +122,10 @@ class LogitsState:
         clear_bits(row, banned)
 
     def consume(self, token: int) -> bool:
-        """The host has the request's next token: advance the grammar. True when the grammar
-        is complete (nothing may follow), which ends the request."""
+        """The host has the request's next token: count it, advance the grammar. True when
+        the grammar is complete (nothing may follow), which ends the request."""
+        if self._hist_row is not None:
+            self._count(token)
         if self.matcher is None:
             return False
         self.matcher.consume_token(token)

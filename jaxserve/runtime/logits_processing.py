@@ -81,7 +81,7 @@ def build(rows, shape: LogitsShape, s_pad: int) -> LogitsInputs:
             li.bias[i, :len(ids)] = [p.logit_bias[t] for t in ids]
         if p.penalized:
             li.penalties[i] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-            ids, counts, in_prompt = seq.logits_state.history(seq)
+            ids, counts, in_prompt = seq.logits_state.history()
             li.hist_ids[i, :len(ids)] = ids
             li.hist_counts[i, :len(ids)] = counts
             li.hist_in_prompt[i, :len(ids)] = in_prompt

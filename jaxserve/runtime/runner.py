@@ -24,10 +24,10 @@ from jaxserve.config import EngineConfig, LayerLoop
 from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.runtime import compile_cache, distributed, logits_processing, sharding
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
-from jaxserve.runtime.sampling import SamplerOutput, sample
+from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
 from kernels import select_attention
-from models.llama import Transformer, layout_params
+from models.llama import Transformer, head_weight, layout_params, lm_logits
 from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -52,11 +52,20 @@ class StepOutput:
     logprobs: np.ndarray | None = None  # (S, K) float32, when asked
     top_ids: np.ndarray | None = None  # (S, K, max_logprobs) int32
     top_logprobs: np.ndarray | None = None  # (S, K, max_logprobs) float32
+    prompt: PromptLogprobs | None = None  # as numpy, when a row asked for prompt logprobs
 
     def rows(self, num_seqs: int) -> list[list[int]]:
         """The tokens of the first `num_seqs` rows, as lists."""
         ids, counts = self.token_ids[:num_seqs].tolist(), self.num_tokens[:num_seqs].tolist()
         return [row[:n] for row, n in zip(ids, counts, strict=True)]
+
+    def prompt_entry(self, row: int, k: int) -> dict:
+        """The logprob of the prompt token after query `row`: {"logprob", "rank", "top":
+        {token id: logprob} of the k best}."""
+        p = self.prompt
+        return {"logprob": float(p.logprobs[row]), "rank": int(p.ranks[row]),
+                "top": {int(t): float(lp) for t, lp in zip(p.top_ids[row, :k],
+                                                           p.top_logprobs[row, :k], strict=True)}}
 
     def logprob_entry(self, row: int, j: int, k: int) -> dict:
         """{"logprob": of token j of `row`, "top": {token id: logprob} of the k best}."""
@@ -64,6 +73,15 @@ class StepOutput:
                 "top": {int(t): float(lp) for t, lp in zip(self.top_ids[row, j, :k],
                                                            self.top_logprobs[row, j, :k],
                                                            strict=True)}}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """A dispatched step's outputs, still on the device."""
+
+    sampled: SamplerOutput
+    prompt: PromptLogprobs
 
 
 class ModelRunner:
@@ -155,8 +173,8 @@ class ModelRunner:
         with jax.named_scope("forward"):
             ids = jnp.where(inp.prev_rows >= 0, last_tokens[jnp.maximum(inp.prev_rows, 0)],
                             inp.input_ids)
-            k, v, logits = self.model.apply({"params": params}, ids, kv.k, kv.v, inp.attn,
-                                            inp.logits_indices)
+            k, v, logits, hidden = self.model.apply({"params": params}, ids, kv.k, kv.v,
+                                                    inp.attn, inp.logits_indices)
             kv = KVCache(k, v)
             if self.mesh is not None:
                 # Compute the logits split by vocabulary, then gather them once: left split,
@@ -167,8 +185,16 @@ class ModelRunner:
             processed = logits_processing.apply(logits, inp.processing)
             out = sample(processed, inp.sampling, max_logprobs, inp.processing.min_p,
                          raw_logits=logits)
+        with jax.named_scope("prompt_logprobs"):
+            head = head_weight(self.model_config, params)
+
+            def all_logits(x):  # under TP, gathered once as the sampled rows' are
+                logits = lm_logits(self.model_config, x, head)
+                return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
+
+            prompt = prompt_logprobs(all_logits, hidden, inp.prompt_targets, max_logprobs)
         next_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens[:, 0])
-        return kv, out, next_tokens
+        return kv, StepResult(out, prompt), next_tokens
 
     # -------------------------------------------------------------------------------- compile
 
@@ -234,7 +260,7 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------------- execute
 
-    def dispatch(self, inp: StepInputs) -> SamplerOutput:
+    def dispatch(self, inp: StepInputs) -> StepResult:
         """Launch one step; returns its device output without waiting for it."""
         if self.broadcast is None:
             return self._launch(inp)
@@ -244,23 +270,27 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - the processes cannot run on out of step
             distributed.fatal("a step", e)
 
-    def _launch(self, inp: StepInputs) -> SamplerOutput:
+    def _launch(self, inp: StepInputs) -> StepResult:
         exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
         if not inp.processing.active:  # the unused arrays stay on the device: none to copy
             inp = dataclasses.replace(inp, processing=self._unused_processing(inp.bucket[1]))
         self.kv, out, self._last_tokens = exe(self.params, self.kv, self._last_tokens, inp)
         return out
 
-    def fetch(self, out: SamplerOutput, want_logprobs: bool) -> StepOutput:
+    def fetch(self, step: StepResult, want_logprobs: bool,
+              want_prompt_logprobs: bool = False) -> StepOutput:
         """Wait for a dispatched step and bring its tokens (and logprobs if asked) to the host.
         The outputs are replicated: this process's first copy is the whole of each."""
         try:
             host = lambda x: np.asarray(x.addressable_data(0))
+            out = step.sampled
             result = StepOutput(host(out.tokens), host(out.num_tokens))
             if want_logprobs:
                 result.logprobs = host(out.logprobs)
                 result.top_ids = host(out.top_ids)
                 result.top_logprobs = host(out.top_logprobs)
+            if want_prompt_logprobs:
+                result.prompt = jax.tree.map(host, step.prompt)
             return result
         except Exception as e:  # noqa: BLE001
             if self.multiprocess:
@@ -269,7 +299,8 @@ class ModelRunner:
 
     def execute(self, inp: StepInputs) -> StepOutput:
         """dispatch + fetch: one synchronous step."""
-        return self.fetch(self.dispatch(inp), bool(inp.sampling.want_logprobs))
+        return self.fetch(self.dispatch(inp), bool(inp.sampling.want_logprobs),
+                          bool((inp.prompt_targets >= 0).any()))
 
     # --------------------------------------------------------------------- several processes
 

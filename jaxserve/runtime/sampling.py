@@ -94,6 +94,43 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def row_keys(si: SamplingInputs) -> jax.Array:
+    """Each row's key: its request's seed and the index of the draw in its stream."""
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(si.seeds, si.steps)
+
+
+def sampling_logits(logits: jax.Array, si: SamplingInputs,
+                    min_p: jax.Array | None) -> jax.Array:  # (S, V) -> (S, V)
+    """What a sampled row draws from: temperature-scaled logits with the tokens top-k, top-p
+    and min_p drop set to -inf."""
+    filters = jnp.any((si.temperature > 0) & ((si.top_k > 0) | (si.top_p < 1)))
+    filtered = jax.lax.cond(
+        filters, lambda: _filtered_logits(logits, si), lambda: _scaled(logits, si))
+    if min_p is not None:
+        cut = jnp.max(filtered, axis=-1, keepdims=True) + jnp.log(
+            jnp.maximum(min_p, 1e-30))[:, None]
+        filtered = jnp.where((min_p[:, None] > 0) & (filtered < cut), -jnp.inf, filtered)
+    return filtered
+
+
+def logprobs_of(raw: jax.Array, tokens: jax.Array, want: jax.Array, max_logprobs: int):
+    """raw (N, V) logits, tokens (N,) -> (the tokens' logprobs (N,), top ids (N, k), top
+    logprobs (N, k)), computed only when `want` (else zeros)."""
+    n = raw.shape[0]
+
+    def compute():
+        logp = jax.nn.log_softmax(raw, axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def skip():
+        return (jnp.zeros(n, jnp.float32), jnp.zeros((n, max_logprobs), jnp.int32),
+                jnp.zeros((n, max_logprobs), jnp.float32))
+
+    return jax.lax.cond(want, compute, skip)
+
+
 def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int,
            min_p: jax.Array | None = None, raw_logits: jax.Array | None = None) -> SamplerOutput:
     """logits (S, V) float32 -> sampled tokens and logprobs (of the unscaled distribution).
@@ -108,36 +145,53 @@ def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int,
     not hold it), the random draw only when a row samples, and the log-softmax and top-k
     logprobs only when a row asked for them (on a CPU each of these costs as much as a layer or
     more at 64 rows)."""
-    s = logits.shape[0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled_rows = si.temperature > 0
 
     def draw(_):
-        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(si.seeds, si.steps)
-        filters = jnp.any(sampled_rows & ((si.top_k > 0) | (si.top_p < 1)))
-        filtered = jax.lax.cond(
-            filters, lambda: _filtered_logits(logits, si), lambda: _scaled(logits, si))
-        if min_p is not None:
-            cut = jnp.max(filtered, axis=-1, keepdims=True) + jnp.log(
-                jnp.maximum(min_p, 1e-30))[:, None]
-            filtered = jnp.where((min_p[:, None] > 0) & (filtered < cut), -jnp.inf, filtered)
-        return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        filtered = sampling_logits(logits, si, min_p)
+        return jax.vmap(jax.random.categorical)(row_keys(si), filtered).astype(jnp.int32)
 
     sampled = jax.lax.cond(jnp.any(sampled_rows), draw, lambda _: greedy, None)
     tokens = jnp.where(sampled_rows, sampled, greedy)
 
     raw = logits if raw_logits is None else raw_logits
-
-    def logprobs():
-        logp = jax.nn.log_softmax(raw, axis=-1)
-        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
-        return chosen, top_ids.astype(jnp.int32), top_lp
-
-    def no_logprobs():
-        return (jnp.zeros(s, jnp.float32), jnp.zeros((s, max_logprobs), jnp.int32),
-                jnp.zeros((s, max_logprobs), jnp.float32))
-
-    chosen, top_ids, top_lp = jax.lax.cond(si.want_logprobs, logprobs, no_logprobs)
+    chosen, top_ids, top_lp = logprobs_of(raw, tokens, si.want_logprobs, max_logprobs)
     return SamplerOutput(tokens[:, None], si.samples.astype(jnp.int32), chosen[:, None],
                          top_ids[:, None], top_lp[:, None])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Per query row t: the logprob of the prompt token that follows it (`targets[t]`)."""
+
+    logprobs: jax.Array  # (T,) float32
+    ranks: jax.Array  # (T,) int32: 1 + how many tokens are more likely than it
+    top_ids: jax.Array  # (T, max_logprobs) int32
+    top_logprobs: jax.Array  # (T, max_logprobs) float32
+
+
+def prompt_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array,
+                    max_logprobs: int) -> PromptLogprobs:
+    """hidden (T, D) the final hidden rows, targets (T,) int32 the next prompt token of each
+    row that a request wants (-1: none) -> their logprobs.
+
+    The (T, V) logits of every row cost as much as a layer per 100 rows, so they are computed
+    only in a step where some row has a target (`logits_fn`: hidden rows -> their logits)."""
+    t = targets.shape[0]
+
+    def compute():
+        logp = jax.nn.log_softmax(logits_fn(hidden), axis=-1)  # (T, V)
+        target = jnp.maximum(targets, 0)[:, None]
+        chosen = jnp.take_along_axis(logp, target, axis=-1)  # (T, 1)
+        ranks = 1 + jnp.sum(logp > chosen, axis=-1, dtype=jnp.int32)
+        top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
+        return PromptLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_lp)
+
+    def skip():
+        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32),
+                              jnp.zeros((t, max_logprobs), jnp.int32),
+                              jnp.zeros((t, max_logprobs), jnp.float32))
+
+    return jax.lax.cond(jnp.any(targets >= 0), compute, skip)

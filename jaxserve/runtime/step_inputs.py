@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.scheduler import ScheduledSeq, prompt_rows
 from jaxserve.core.sequence import PENDING
 from jaxserve.runtime import logits_processing
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
@@ -26,6 +26,8 @@ class StepInputs:
     prev_rows: np.ndarray
     attn: AttentionMetadata
     logits_indices: np.ndarray  # (S,) int32: last query row of each sequence
+    # (T,) int32: the prompt token after each row whose logprob a request asked for, or -1
+    prompt_targets: np.ndarray
     sampling: SamplingInputs
     processing: LogitsInputs  # per-request logit processing (runtime/logits_processing.py)
 
@@ -112,6 +114,9 @@ def build_step_inputs(
         else:  # a prompt chunk (or a recompute): every token is on the host
             ids.extend(s.seq.tokens(s.start, s.start + s.num_tokens))
     input_ids[:num_tokens] = ids
+    prompt_targets = np.full(t_pad, -1, np.int32)
+    for r in prompt_rows(scheduled):
+        prompt_targets[r.row:r.row + r.count] = r.seq.prompt_token_ids[r.first:r.first + r.count]
     params = [s.seq.params for s in scheduled]
     temperature[:num_seqs] = [p.temperature for p in params]
     top_p[:num_seqs] = [p.top_p for p in params]
@@ -130,6 +135,7 @@ def build_step_inputs(
                                slot_mapping=slot_mapping, block_tables=block_tables,
                                context_lens=context_lens, query_start_loc=query_start_loc),
         logits_indices=logits_indices,
+        prompt_targets=prompt_targets,
         sampling=SamplingInputs(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
                                 steps=steps, samples=samples,
                                 want_logprobs=np.bool_(want_logprobs)),
@@ -149,6 +155,7 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                                block_tables=np.zeros((s, mb), np.int32), context_lens=i32(s),
                                query_start_loc=i32(s + 1)),
         logits_indices=i32(s),
+        prompt_targets=np.full(t, -1, np.int32),
         sampling=SamplingInputs(temperature=np.zeros(s, np.float32),
                                 top_p=np.ones(s, np.float32), top_k=i32(s),
                                 seeds=np.zeros(s, np.uint32), steps=i32(s),

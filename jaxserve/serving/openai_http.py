@@ -8,6 +8,7 @@ queue is full, 503 while shutting down.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -284,6 +285,9 @@ class _Api:
         if not isinstance(echo, bool):
             raise ApiError(400, "echo must be a boolean", param="echo")
         params = self._params(body, 16)
+        if echo and params.logprobs is not None and params.prompt_logprobs is None:
+            # OpenAI's echo with logprobs scores the prompt's tokens too
+            params.prompt_logprobs = params.logprobs
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl",
                                                body.get("cache_salt"))
@@ -293,31 +297,46 @@ class _Api:
         if echo:  # the prompt's text, before each choice's
             tok = self.server.engine.tokenizer
             echoed = prompt if prompt is not None else (tok.decode(prompt_ids) if tok else "")
+
+        def logprobs(out, comp, new_only: bool, lead: bool) -> dict | None:
+            """The choice's logprobs (this chunk's when `new_only`); `lead`: they start with
+            the echoed prompt's, as OpenAI's echo does (text offsets count the echo too)."""
+            lp = self._completion_logprobs(comp, new_only, shift=len(echoed))
+            if not (lead and echo and params.logprobs is not None):
+                return lp
+            pairs = list(zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True))
+            head = self._completion_logprobs_of(pairs, 0, first=out.prompt_token_ids[0])
+            return head if lp is None else {k: head[k] + lp[k] for k in head}
+
+        def extra(out) -> dict:  # vLLM's prompt_logprobs field, on a choice's first chunk
+            return ({"prompt_logprobs": self._prompt_logprobs(out)}
+                    if body.get("prompt_logprobs") is not None else {})
+
         if body.get("stream"):
-            first = ({"id": rid, "object": "text_completion", "created": created,
-                      "model": model, "choices": [{"index": i, "text": echoed, "logprobs": None,
-                                                   "finish_reason": None}
-                                                  for i in range(params.n)]}
-                     if echoed else None)
+            unstarted = set(range(params.n))
 
             def chunk(out):
                 choices = []
                 for comp in _moved(out):
-                    lp = self._completion_logprobs(comp, new_only=True)
-                    if comp.new_text or comp.finish_reason or lp is not None:
-                        choices.append({"index": comp.index, "text": comp.new_text,
-                                        "logprobs": lp, "finish_reason": comp.finish_reason})
+                    lead = comp.index in unstarted  # its first chunk leads with the echo
+                    unstarted.discard(comp.index)
+                    text = echoed + comp.new_text if lead else comp.new_text
+                    lp = logprobs(out, comp, True, lead)
+                    if text or comp.finish_reason or lp is not None or lead:
+                        choices.append({"index": comp.index, "text": text, "logprobs": lp,
+                                        "finish_reason": comp.finish_reason}
+                                       | (extra(out) if lead else {}))
                 return {"id": rid, "object": "text_completion", "created": created,
                         "model": model, "choices": choices} if choices else None
             usage = ({"id": rid, "object": "text_completion", "created": created,
                       "model": model} if include_usage else None)
-            return await self._sse(request, engine_id, stream, chunk, first, usage_base=usage)
+            return await self._sse(request, engine_id, stream, chunk, usage_base=usage)
         out = await self._collect(request, engine_id, stream)
         return web.json_response({
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": c.index, "text": echoed + c.text,
-                         "logprobs": self._completion_logprobs(c),
-                         "finish_reason": c.finish_reason} for c in out.outputs],
+                         "logprobs": logprobs(out, c, False, True),
+                         "finish_reason": c.finish_reason} | extra(out) for c in out.outputs],
             "usage": _usage(out)})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -353,6 +372,8 @@ class _Api:
                                                                 "content": ""},
                                          "finish_reason": None} for i in range(params.n)]}
 
+            unscored = [body.get("prompt_logprobs") is not None]
+
             def chunk(out):
                 choices = []
                 for comp in _moved(out):
@@ -361,7 +382,13 @@ class _Api:
                         delta = {"content": comp.new_text} if comp.new_text else {}
                         choices.append({"index": comp.index, "delta": delta, "logprobs": lp,
                                         "finish_reason": comp.finish_reason})
-                return base | {"choices": choices} if choices else None
+                if not choices:
+                    return None
+                if unscored[0]:  # vLLM's prompt_logprobs, once, on the first content chunk
+                    unscored[0] = False
+                    return base | {"choices": choices,
+                                   "prompt_logprobs": self._prompt_logprobs(out)}
+                return base | {"choices": choices}
             return await self._sse(request, engine_id, stream, chunk, first,
                                    base if include_usage else None)
         out = await self._collect(request, engine_id, stream)
@@ -370,24 +397,52 @@ class _Api:
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": self._chat_logprobs(c),
                          "finish_reason": c.finish_reason} for c in out.outputs],
-            "usage": _usage(out)})
+            "usage": _usage(out)}
+            | ({"prompt_logprobs": self._prompt_logprobs(out)}
+               if body.get("prompt_logprobs") is not None else {}))
 
     def _token_text(self, token_id: int) -> str:
         tok = self.server.engine.tokenizer
         return tok.decode([token_id]) if tok is not None else str(token_id)
 
-    def _completion_logprobs(self, comp, new_only: bool = False) -> dict | None:
-        """OpenAI completions' shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    def _completion_logprobs(self, comp, new_only: bool = False,
+                             shift: int = 0) -> dict | None:
+        """OpenAI completions' shape: tokens, token_logprobs, top_logprobs, text_offset (from
+        the completion's start, plus `shift`)."""
         pairs = _entries(comp, new_only)
         if pairs is None:
             return None
-        tokens = [self._token_text(t) for t, _ in pairs]
         start = len(comp.text) - len(comp.new_text) if new_only else 0
-        offsets = [start + sum(map(len, tokens[:i])) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for _, e in pairs],
-                "top_logprobs": [{self._token_text(k): v for k, v in e["top"].items()}
-                                 for _, e in pairs],
+        return self._completion_logprobs_of(pairs, shift + start)
+
+    def _completion_logprobs_of(self, pairs: list[tuple[int, dict]], start: int,
+                                first: int | None = None) -> dict:
+        """(token id, entry) pairs in completions' shape; `first`: a token before them with
+        no logprob (an echoed prompt's first), given as null like OpenAI does."""
+        tokens = [self._token_text(t) for t, _ in pairs]
+        lps = [e["logprob"] for _, e in pairs]
+        tops = [{self._token_text(k): v for k, v in e["top"].items()} for _, e in pairs]
+        if first is not None:
+            tokens, lps, tops = [self._token_text(first), *tokens], [None, *lps], [None, *tops]
+        offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=start))
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _prompt_logprobs(self, out) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first: null), {token id: {logprob,
+        rank, decoded_token}} for the token itself and the top ones."""
+        result = []
+        for token, e in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+            if e is None:
+                result.append(None)
+                continue
+            entry = {str(token): {"logprob": e["logprob"], "rank": e["rank"],
+                                  "decoded_token": self._token_text(token)}}
+            for rank, (t, lp) in enumerate(e["top"].items(), 1):
+                entry.setdefault(str(t), {"logprob": lp, "rank": rank,
+                                          "decoded_token": self._token_text(t)})
+            result.append(entry)
+        return result
 
     def _chat_logprobs(self, comp, new_only: bool = False) -> dict | None:
         """OpenAI chat's shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
@@ -486,7 +541,10 @@ def _entries(comp, new_only: bool) -> list[tuple[int, dict]] | None:
     """(token id, {"logprob", "top"}) for the completion's tokens (or this step's only)."""
     if comp.logprobs is None:
         return None
-    ids, entries = comp.token_ids, comp.logprobs
+    # The engine keeps appending to the entries: the output's own token ids say how many
+    # are its own.
+    ids = comp.token_ids
+    entries = comp.logprobs[:len(ids)]
     if new_only:
         n = len(comp.new_token_ids)
         ids, entries = ids[len(ids) - n:], entries[len(entries) - n:]

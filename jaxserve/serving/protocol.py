@@ -12,14 +12,18 @@ with a string "type". Client frames:
 
 Server frames:
 
-    {"type": "token", "id", "index": sample, "text": new text, "token_ids": new ids}
-                                                                          (stream=True only)
+    {"type": "token", "id", "index": sample, "text": new text, "token_ids": new ids,
+     "logprobs": [entry per new token] (params.logprobs set)}             (stream=True only)
     {"type": "done", "id", "finish_reason", "stop_reason", "text", "token_ids",
      "prompt_tokens", "completion_tokens", "ttft", "e2e",
-     "choices": [{"index", "finish_reason", "stop_reason", "text", "token_ids"}] (n > 1)}
+     "logprobs": [entry per token] (params.logprobs set),
+     "prompt_logprobs": [null, entry per later prompt token] (params.prompt_logprobs set),
+     "choices": [{"index", "finish_reason", "stop_reason", "text", "token_ids",
+                  "logprobs"?}] (n > 1)}
 
-With params.n > 1 the top-level fields are sample 0's, and completion_tokens counts every
-sample's tokens.
+An entry is {"logprob": float, "top": [[token id, logprob], ...] best first}; a prompt
+entry adds "rank" (1 + how many tokens were more likely). With params.n > 1 the top-level
+fields are sample 0's, and completion_tokens counts every sample's tokens.
     {"type": "error", "id"?: str, "code": str, "message": str}
     {"type": "health", "status": "ok"}        {"type": "stats", ...engine figures...}
 

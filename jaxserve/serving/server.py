@@ -450,8 +450,13 @@ class Server:
             async for out in stream:
                 for comp in out.outputs if want_stream else ():
                     if comp.new_token_ids and comp.finish_reason != "abort":
-                        conn.send({"type": "token", "id": cid, "index": comp.index,
-                                   "text": comp.new_text, "token_ids": comp.new_token_ids})
+                        frame = {"type": "token", "id": cid, "index": comp.index,
+                                 "text": comp.new_text, "token_ids": comp.new_token_ids}
+                        if comp.logprobs is not None:
+                            end = len(comp.token_ids)  # the list may have grown since
+                            frame["logprobs"] = wire_logprobs(
+                                comp.logprobs[end - len(comp.new_token_ids):end])
+                        conn.send(frame)
                 if out.finished:
                     failure = engine_failure(out)
                     if failure is not None:
@@ -485,8 +490,21 @@ def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:
              "prompt_tokens": len(out.prompt_token_ids),
              "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
              "ttft": m.ttft, "e2e": m.e2e}
+    if comp.logprobs is not None:
+        frame["logprobs"] = wire_logprobs(comp.logprobs)
+    if out.prompt_logprobs is not None:
+        frame["prompt_logprobs"] = wire_logprobs(out.prompt_logprobs)
     if len(out.outputs) > 1:
         frame["choices"] = [{"index": c.index, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason, "text": c.text,
-                             "token_ids": c.token_ids} for c in out.outputs]
+                             "token_ids": c.token_ids}
+                            | ({"logprobs": wire_logprobs(c.logprobs)}
+                               if c.logprobs is not None else {}) for c in out.outputs]
     return frame
+
+
+def wire_logprobs(entries: list[dict | None]) -> list[dict | None]:
+    """Logprob entries as frames carry them: msgpack maps take string keys only, so each
+    entry's top tokens go as [[token id, logprob], ...], best first."""
+    return [None if e is None else {k: v for k, v in e.items() if k != "top"}
+            | {"top": [[t, lp] for t, lp in e["top"].items()]} for e in entries]

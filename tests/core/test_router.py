@@ -77,3 +77,11 @@ def test_the_memory_of_prefixes_is_bounded():
     assert len(r._names[0]) == 5
     with pytest.raises(ValueError, match="num_replicas"):
         Router(0, B)
+
+
+def test_bad_salt_is_refused_and_bad_ids_route_by_load():
+    router = Router(2, block_size=4)
+    with pytest.raises(ValueError, match="cache_salt"):
+        router.route("a", [1, 2, 3, 4, 5], True)
+    assert router.route("b", [2**70] * 8) in (0, 1)  # no name: the replica refuses it
+    assert router.route("c", [1.5] * 8) in (0, 1)

@@ -36,9 +36,10 @@ def reference(logits: np.ndarray, prompt: list[int], output: list[int], p: Sampl
 
 def _seq(i: int, prompt, output, params) -> Sequence:
     s = Sequence(f"r{i}", prompt, params, i, seed=i)
-    for t in output:
-        s.append_token(t)
     s.logits_state = LogitsState(params, prompt, V, EOS, bad_words=[[7], [9, 11]])
+    for t in output:  # as the postprocess hands each token over
+        s.append_token(t)
+        s.logits_state.consume(t)
     return s
 
 
@@ -101,3 +102,23 @@ def test_min_p_keeps_tokens_near_the_best_one():
                                      np.asarray([0.35, 0.0], np.float32))) for k in range(n)])
     assert set(seen[:, 0]) == {0, 1}  # 0.15 / 0.5 < 0.35: tokens 2 and 3 are cut
     assert set(seen[:, 1]) == {0, 1, 2, 3}
+
+
+def test_history_grows_token_by_token_and_samples_keep_their_own():
+    """The history the step reads equals a recount of prompt and output, past its first
+    capacity; a sibling sample (n > 1) starts from the prompt and counts only its tokens."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, V, 10).tolist()
+    p = SamplingParams(presence_penalty=1.0, max_tokens=3, allowed_token_ids=[1, 5])
+    state = LogitsState(p, prompt, V, EOS, bad_words=[])
+    twin = state.sibling()
+    output = rng.integers(0, V, 120).tolist()
+    for t in output:
+        state.consume(t)
+    twin.consume(output[0])
+    for st, out in ((state, output), (twin, output[:1])):
+        ids, counts, in_prompt = st.history()
+        assert sorted(ids.tolist()) == sorted(set(prompt) | set(out))
+        assert counts.tolist() == [out.count(t) for t in ids.tolist()]
+        assert in_prompt.tolist() == [t in prompt for t in ids.tolist()]
+    assert twin.allowed is state.allowed  # the request's own parts are shared

@@ -178,6 +178,48 @@ def test_chat_logprobs_with_top_logprobs(client):
     assert r.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt_and_prompt_logprobs(server, client, hf_smollm):
+    """echo + logprobs: the logprobs start with the prompt's tokens (the first null), equal to
+    the HF oracle's, streamed the same; vLLM's prompt_logprobs field on completions and chat."""
+    import torch
+
+    kw = dict(model="smollm2", prompt="The capital of France is", max_tokens=5, temperature=0,
+              logprobs=2)
+    r = client.completions.create(echo=True, **kw)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + r.usage.completion_tokens
+    assert "".join(lp.tokens) == text and text.startswith("The capital of France is")
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ids = server.server.engine.tokenizer("The capital of France is").input_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm(torch.tensor([ids])).logits[0].double(), -1)
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(
+        [float(ref[i - 1, ids[i]]) for i in range(1, n_prompt)], abs=2e-3)
+    generated = client.completions.create(**kw).choices[0].logprobs
+    assert lp.tokens[n_prompt:] == generated.tokens
+    streamed = list(client.completions.create(echo=True, stream=True, **kw))
+    assert [t for c in streamed if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+
+    scored = client.completions.create(extra_body={"prompt_logprobs": 1}, **kw).choices[0]
+    entries = scored.model_extra["prompt_logprobs"]
+    assert len(entries) == n_prompt and entries[0] is None
+    for i in range(1, n_prompt):
+        mine = entries[i][str(ids[i])]
+        assert mine["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-5)
+        assert mine["rank"] >= 1 and mine["decoded_token"] == lp.tokens[i]
+        assert len(entries[i]) in (1, 2)  # the token itself and the best one (if another)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert len(entries) == chat.usage.prompt_tokens and entries[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
+
+
 # ------------------------------------------------------ sampling options and structured output
 
 PERSON = {"type": "object",

@@ -260,3 +260,21 @@ def test_n_samples_over_the_socket(server):
                     for t in f["token_ids"]]
         assert streamed == ch["token_ids"] and len(streamed) == 6
     assert done["completion_tokens"] == 18 and done["token_ids"] == done["choices"][0]["token_ids"]
+
+
+def test_logprobs_and_prompt_logprobs_over_the_socket(server):
+    """Token frames carry their tokens' logprobs; the done frame all of them and the prompt's
+    (each top list best first, as [token id, logprob] pairs)."""
+    with Client("127.0.0.1", server.port) as c:
+        frames = list(c.generate_stream("The capital of France is", temperature=0,
+                                        max_tokens=4, logprobs=2, prompt_logprobs=1))
+    done = frames[-1]
+    streamed = [e for f in frames[:-1] for e in f["logprobs"]]
+    assert streamed == done["logprobs"] and len(streamed) == 4
+    for e, token in zip(done["logprobs"], done["token_ids"], strict=True):
+        assert len(e["top"]) == 2 and e["top"][0][0] == token  # greedy: the best
+        assert e["top"][0][1] == pytest.approx(e["logprob"])
+    prompt = done["prompt_logprobs"]
+    assert len(prompt) == done["prompt_tokens"] and prompt[0] is None
+    assert all(e["rank"] >= 1 and len(e["top"]) == 1 and e["logprob"] <= e["top"][0][1]
+               for e in prompt[1:])
