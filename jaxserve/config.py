@@ -34,6 +34,7 @@ def _pow2_range(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = (None, "ngram")
 
 
 class LayerLoop(enum.StrEnum):
@@ -119,6 +120,18 @@ class EngineConfig:
         1, "cut prompt chunks to multiples of this (not the last chunk)")
     max_waiting_requests: int | None = option(
         None, "refuse requests when this many wait (default: unbounded)")
+    speculative_method: str | None = option(
+        None, "speculative decoding: 'ngram' proposes what followed the latest earlier "
+              "occurrence of the context's last tokens (prompt lookup), verified in the "
+              "target's own step; greedy and sampled outputs keep the target's distribution "
+              "(default: off)")
+    num_speculative_tokens: int = option(4, "most tokens proposed per sequence and step")
+    prompt_lookup_min: int = option(2, "ngram: shortest suffix matched")
+    prompt_lookup_max: int = option(4, "ngram: longest suffix matched (tried first)")
+    speculative_adaptive: bool = option(
+        True, "choose each step's number of proposed tokens (0 included) from the batch, the "
+              "token budget, the measured acceptance rate and the measured step times, so "
+              "speculation stops where the batch is compute-bound; off: always the most")
 
     def __post_init__(self):
         for name, kind in (("attention_backend", AttentionBackend), ("layer_loop", LayerLoop),
@@ -158,12 +171,29 @@ class EngineConfig:
             raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of "
+                             f"{', '.join(map(str, SPECULATIVE_METHODS))}, "
+                             f"got {self.speculative_method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not (
+                1 <= self.num_speculative_tokens <= 16):
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}) must satisfy "
+                             f"1 <= min <= max")
         for name in ("token_buckets", "seq_buckets", "block_buckets"):
             b = getattr(self, name)
             if b is not None and (not b or any(x <= 0 for x in b)):
                 raise ValueError(f"{name} must be a non-empty list of positive ints, got {b!r}")
             if b is not None:
                 object.__setattr__(self, name, tuple(b))
+
+    @property
+    def spec_tokens(self) -> int:
+        """K: the proposed tokens a step's rows have room for (0 without speculation)."""
+        return self.num_speculative_tokens if self.speculative_method else 0
 
     @property
     def max_blocks_per_seq(self) -> int:

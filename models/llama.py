@@ -128,7 +128,7 @@ class Transformer(nn.Module):
         k_pages: jax.Array,  # (L, P, B, K, H)
         v_pages: jax.Array,  # (L, P, B, K, H)
         md: AttentionMetadata,
-        logits_indices: jax.Array,  # (S,) int32: the row whose hidden state makes each seq's logits
+        logits_indices: jax.Array | None,  # (S,) int32: each seq's logits row (None: no logits)
     ) -> tuple[jax.Array, ...]:  # updated pages, logits (S, V) float32, final hidden (T, D)
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
@@ -160,4 +160,5 @@ class Transformer(nn.Module):
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)  # (T, D)
         head = embed if cfg.tie_word_embeddings else self.param(
             "lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size), dt)
-        return k_pages, v_pages, lm_logits(cfg, x[logits_indices], head), x
+        logits = None if logits_indices is None else lm_logits(cfg, x[logits_indices], head)
+        return k_pages, v_pages, logits, x

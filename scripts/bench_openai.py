@@ -113,8 +113,9 @@ def main() -> None:
         lengths = [max(1, r[2]) for r in results]
         free, _ = measure(client, model, prompts, lengths, args.concurrency,
                           {"extra_body": {"ignore_eos": True}}, "free, same lengths: ")
+        change = (rate / free - 1) * 100
         print(f"structured output: {rate / free:.3f}x the output tok/s of the same tokens "
-              f"without it ({(1 - rate / free) * 100:+.1f}% slower)")
+              f"without it ({abs(change):.1f}% {'faster' if change >= 0 else 'slower'})")
 
 
 if __name__ == "__main__":

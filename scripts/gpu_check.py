@@ -135,7 +135,7 @@ def time_engine(dry_run: bool) -> list[dict]:
     from jaxserve.config import EngineConfig
     from jaxserve.runtime.runner import ModelRunner
     from jaxserve.runtime.sampling import SamplingInputs
-    from jaxserve.runtime.step_inputs import StepInputs
+    from jaxserve.runtime.step_inputs import StepInputs, empty_spec_inputs
     from models.loader import load_model
 
     loaded = load_model()
@@ -167,7 +167,8 @@ def time_engine(dry_run: bool) -> list[dict]:
             sampling=SamplingInputs(np.zeros(b, np.float32), np.ones(b, np.float32),
                                     np.zeros(b, np.int32), np.zeros(b, np.uint32),
                                     np.zeros(b, np.int32), np.ones(b, bool), np.bool_(False)),
-            processing=runner.logits_shape.unused(b))
+            processing=runner.logits_shape.unused(b),
+            spec=empty_spec_inputs(b, runner.config.spec_tokens))
         dt = timed(lambda inp=inp, runner=runner: runner.execute(inp).token_ids,
                    3 if dry_run else 20)
         rows.append({"batch": b, "context": ctx, "dtype": dtype, "backend":

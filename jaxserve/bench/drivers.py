@@ -31,13 +31,18 @@ def request_id(r: BenchRequest) -> str:
 _COUNTERS = {"prompt_tokens_computed": "prompt_tokens",  # prefill tokens the steps computed
              "prefix_cache_queries": "prefix_cache_queries",
              "prefix_cache_hits": "prefix_cache_hits",
-             "prefix_cache_host_hits": "prefix_cache_host_hits"}
+             "prefix_cache_host_hits": "prefix_cache_host_hits",
+             "spec_proposed_tokens": "spec_proposed_tokens",  # speculative decoding
+             "spec_accepted_tokens": "spec_accepted_tokens",
+             "spec_steps": "spec_steps"}
 
 
 def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
-               on_step: Callable[[int], None] | None = None, concurrency: int | None = None):
+               on_step: Callable[[int], None] | None = None, concurrency: int | None = None,
+               ignore_eos: bool = True):
     """Feed the workload to an LLMEngine in process at its arrival times (or, with
     `concurrency`, closed loop: a new request as soon as fewer than that many are in flight);
+    greedy, to max_tokens (or an EOS, unless `ignore_eos`);
     a conversation's next turn arrives when its answer is complete; step until done.
     Returns (metrics per request and turn, in workload order, duration, engine samples: per
     step, and the counters' differences over the run)."""
@@ -58,7 +63,8 @@ def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
             r = pending.pop(0)
             arrival = time.perf_counter() if concurrency else t0 + r.arrival_s
             rid = request_id(r)
-            params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=r.max_tokens,
+                                    ignore_eos=ignore_eos)
             try:
                 engine.add_request(rid, prompt_token_ids=r.prompt_token_ids, params=params,
                                    arrival_time=arrival)

@@ -60,6 +60,9 @@ def summarize(results: list[RequestMetrics], duration_s: float, workload: list[B
     if samples and "prefix_cache_queries" in samples:
         q = samples["prefix_cache_queries"]
         out["prefix_cache_hit_rate"] = samples["prefix_cache_hits"] / q if q else 0.0
+    if samples and samples.get("spec_proposed_tokens"):
+        out["spec_acceptance_rate"] = (samples["spec_accepted_tokens"]
+                                       / samples["spec_proposed_tokens"])
     return out
 
 
@@ -77,6 +80,10 @@ _TABLE_ROWS = [("completed req/s", "completed_req_per_s", 1), ("output tok/s", "
                ("prefix hit rate", "prefix_cache_hit_rate", 1),
                ("prefix hits (tok)", "prefix_cache_hits", 1),
                ("host-tier hits", "prefix_cache_host_hits", 1),
+               ("spec proposed (tok)", "spec_proposed_tokens", 1),
+               ("spec accepted (tok)", "spec_accepted_tokens", 1),
+               ("spec acceptance", "spec_acceptance_rate", 1),
+               ("spec steps", "spec_steps", 1),
                ("tok/s vs jaxserve", "throughput_ratio_vs_jaxserve", 1)]
 
 

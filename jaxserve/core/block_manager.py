@@ -101,6 +101,18 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Return `seq`'s blocks past the first `num_tokens` tokens (taken for proposed
+        tokens that were rejected; never named, so they go to the front of the queue)."""
+        keep = max(self.blocks_needed(num_tokens), seq.num_cached_blocks)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.num_used_blocks -= 1
+                self.free_queue[b] = None
+                self.free_queue.move_to_end(b, last=False)
+
     def _ref(self, b: int) -> None:
         if self.ref_count[b] == 0:
             self.num_used_blocks += 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from operator import attrgetter
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.core.speculative import Speculator
 from jaxserve.core.swap_space import SwapSpace
 
 _BY_ARRIVAL = attrgetter("arrival_index")
@@ -71,6 +73,8 @@ class ScheduledSeq:
     num_tokens: int  # query tokens this step
     samples: bool = False  # the step reaches the sequence's end, so a token is sampled
     is_prefill: bool = True  # prompt (or recompute) tokens rather than one decode token
+    # speculative decoding: tokens proposed after its last one (its rows 1..), to verify
+    drafts: list[int] | None = None
 
     @staticmethod
     def of(seq: Sequence, num_tokens: int) -> ScheduledSeq:
@@ -134,8 +138,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  swap_space: SwapSpace | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator  # speculative decoding's proposals (None: off)
         self.block_manager = block_manager
         self.swap_space = swap_space
         self.clock = clock
@@ -189,6 +195,7 @@ class Scheduler:
         scheduled_ids: set[str] = set()
         block_size = bm.block_size
         running = SequenceStatus.RUNNING
+        plans = self._speculate(decodes, partial, budget) if self.speculator else {}
         for seq in decodes:  # the hot path: one token each, a new block only at a boundary
             if budget <= 0:
                 break
@@ -204,9 +211,16 @@ class Scheduler:
                 if not self._make_room(seq, start + 1, scheduled_ids, out):
                     continue
                 self._allocate(seq, start + 1, out)
-            out.scheduled.append(ScheduledSeq(seq, start, 1, True, False))
+            drafts = plans.get(seq.request_id)
+            if drafts:  # its proposals' slots, from free blocks only (no one is preempted)
+                drafts = drafts[:max(0, budget - 1)]
+                if not bm.can_allocate(seq, start + 1 + len(drafts)):
+                    drafts = drafts[:len(seq.block_table) * block_size - start - 1]
+                self._allocate(seq, start + 1 + len(drafts), out)
+            n = 1 + len(drafts or ())
+            out.scheduled.append(ScheduledSeq(seq, start, n, True, False, drafts or None))
             scheduled_ids.add(seq.request_id)
-            budget -= 1
+            budget -= n
         for seq in partial:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -265,6 +279,22 @@ class Scheduler:
         return out
 
     # --------------------------------------------------------------------- blocks and copies
+
+    def _speculate(self, decodes: list[Sequence], partial: list[Sequence],
+                   budget: int) -> dict[str, list[int]]:
+        """The proposals of this step's decodes (core/speculative.py). The policy weighs them
+        against the other rows the step would hold: the decodes that cannot speculate and
+        the prompt tokens waiting for the budget."""
+        spec = self.speculator
+        eligible = [s for s in decodes if spec.eligible(s)]
+        if not eligible:
+            return {}
+        demand = len(decodes) - len(eligible)
+        for seq in itertools.chain(partial, self.waiting, self.swapped):
+            if demand >= budget:
+                break
+            demand += seq.num_uncomputed_tokens
+        return spec.plan(eligible, min(demand, budget), budget, self.config.max_model_len)
 
     def _allocate(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
         """Grow `seq`'s blocks; cached blocks evicted for it spill to the host tier."""

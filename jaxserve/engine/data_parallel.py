@@ -57,7 +57,9 @@ def warmup(engines: list[LLMEngine]) -> float:
 
 
 _RATIOS = {"kv_usage": ("kv_blocks_used", "kv_blocks_total"),
-           "prefix_cache_hit_rate": ("prefix_cache_hits", "prefix_cache_queries")}
+           "prefix_cache_hit_rate": ("prefix_cache_hits", "prefix_cache_queries"),
+           "spec_acceptance_rate": ("spec_accepted_tokens", "spec_proposed_tokens"),
+           "spec_mean_accepted_length": ("spec_emitted_tokens", "spec_verify_rows")}
 
 
 def merge_snapshots(snaps: list[dict]) -> dict:

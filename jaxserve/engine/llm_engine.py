@@ -29,6 +29,7 @@ from jaxserve.core.scheduler import (
     prompt_rows,
 )
 from jaxserve.core.sequence import Sequence
+from jaxserve.core.speculative import AdaptivePolicy, NgramProposer, SpecStats, Speculator
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logits_state import LogitsState
@@ -102,9 +103,17 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.loaded, devices)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        # speculative decoding (core/speculative.py): the scheduler asks it for proposals
+        self.speculator = (Speculator(
+            NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                          config.prompt_lookup_max),
+            AdaptivePolicy(config.num_speculative_tokens, self.runner.buckets[0],
+                           config.speculative_adaptive))
+            if config.speculative_method else None)
         self.scheduler = Scheduler(
             config.scheduler_config(), self.block_manager,
-            SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None)
+            SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None,
+            speculator=self.speculator)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -126,6 +135,11 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else jax.default_backend() != "cpu")
+        if self.async_scheduling and self.speculator is not None:
+            # a proposal continues the tokens on the host, so a speculating sequence could
+            # only run every other step; speculation keeps the steps synchronous instead
+            logger.info("speculative decoding: asynchronous scheduling is off")
+            self.async_scheduling = False
 
     # ------------------------------------------------------------------------------ requests
 
@@ -395,7 +409,8 @@ class LLMEngine:
             try:
                 inp = build_step_inputs(sched.scheduled, self.runner.buckets,
                                         self.config.block_size, self.runner.num_blocks,
-                                        self.runner.logits_shape, prev.rows if prev else None)
+                                        self.runner.logits_shape, prev.rows if prev else None,
+                                        self.config.spec_tokens)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step
@@ -422,7 +437,7 @@ class LLMEngine:
             try:
                 build_step_inputs([s], self.runner.buckets, self.config.block_size,
                                   self.runner.num_blocks, self.runner.logits_shape,
-                                  {s.seq.request_id: 0})
+                                  {s.seq.request_id: 0}, self.config.spec_tokens)
             except Exception as e:  # noqa: BLE001
                 culprits.append((s, e))
         for s, e in culprits or [(s, error) for s in scheduled]:
@@ -460,6 +475,8 @@ class LLMEngine:
                     self.requests.pop(u.seq.request_id, None)
                 outputs.append(self._output(u))
         prefill = sum(s.num_tokens for s in scheduled if s.is_prefill)
+        if self.speculator is not None:
+            self._record_speculation(scheduled, result, prefill, now - step.t0)
         self.metrics.record_step(now - step.t0, prefill,
                                  sum(len(u.new_token_ids) for u in updates),
                                  len(self.scheduler.running), len(self.scheduler.waiting),
@@ -471,6 +488,16 @@ class LLMEngine:
                   0 if s.is_prefill else s.num_tokens) for s in scheduled],
                 now - step.t0, step.inputs.bucket, now))
         return outputs
+
+    def _record_speculation(self, scheduled: list[ScheduledSeq], result, prefill: int,
+                            seconds: float) -> None:
+        """What the step's proposals gained; a decode-only step's time feeds the policy."""
+        rows = [(i, len(s.drafts)) for i, s in enumerate(scheduled) if s.drafts]
+        gained = result.num_tokens
+        self.speculator.record(sum(n for _, n in rows),
+                               sum(max(0, int(gained[i]) - 1) for i, _ in rows), len(rows))
+        if not prefill:
+            self.speculator.policy.record_step(sum(s.num_tokens for s in scheduled), seconds)
 
     def metrics_snapshot(self) -> dict:
         """Engine-wide figures as a plain dict (what /metrics and the bench harness read)."""
@@ -498,7 +525,17 @@ class LLMEngine:
             "prefix_cache_evictions": bm.stats.evictions,
             "prefix_cache_host_blocks": swap.num_cached if swap else 0,
             "prefix_cache_host_evictions": swap.num_evictions if swap else 0,
-        }
+        } | self._spec_snapshot()
+
+    def _spec_snapshot(self) -> dict:
+        st = self.speculator.stats if self.speculator is not None else SpecStats()
+        return {"spec_proposed_tokens": st.num_proposed,
+                "spec_accepted_tokens": st.num_accepted,
+                "spec_acceptance_rate": st.acceptance_rate,
+                "spec_verify_rows": st.num_spec_rows,  # sequence rows that verified
+                "spec_emitted_tokens": st.num_accepted + st.num_spec_rows,  # by those rows
+                "spec_mean_accepted_length": st.mean_accepted_length,  # their tokens per row
+                "spec_steps": st.num_spec_steps}
 
     def _output(self, u: SeqUpdate) -> RequestOutput:
         seq = u.seq

@@ -2,7 +2,7 @@
 
 When a step is launched, every scheduled sequence advances its computed tokens and marks the
 token it samples as pending. When the step's tokens are back, each sequence appends them (up to
-K per sequence: one today, more once speculative decoding accepts several), detokenizes them
+K per sequence: more than one when speculative decoding accepts proposals), detokenizes them
 incrementally, records logprobs and timings, and applies the stop rules: EOS (unless ignore_eos),
 a stop token id, a stop string (the text is trimmed before it), max_tokens, max_model_len. A
 sequence that stops is finished in the scheduler at once, so its blocks return before the next
@@ -77,6 +77,11 @@ class Postprocessor:
                     self._append(seq, int(token), now, entry, update)
                     if update.finished:
                         break  # tokens after a stop are dropped
+                if s.drafts and not update.finished:
+                    # K/V is right up to its last accepted proposal; the slots after it are
+                    # written again, and blocks past its tokens go back
+                    seq.num_computed_tokens = s.start + len(row)
+                    self.scheduler.block_manager.trim(seq, seq.num_tokens)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 update.error = f"{type(e).__name__}: {e}"
             updates.append(update)

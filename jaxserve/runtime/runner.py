@@ -25,6 +25,7 @@ from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.runtime import compile_cache, distributed, logits_processing, sharding
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
+from jaxserve.runtime.speculative import verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
 from kernels import select_attention
 from models.llama import Transformer, head_weight, layout_params, lm_logits
@@ -170,31 +171,70 @@ class ModelRunner:
         last_tokens (max seq bucket,) int32: the previous step's sampled tokens, still on the
         device; rows with prev_rows >= 0 take their input token from there, which lets the
         host build this step before the previous one's tokens are read back."""
+        spec_k = inp.spec.draft_tokens.shape[1]  # speculative decoding's K (0: off)
         with jax.named_scope("forward"):
             ids = jnp.where(inp.prev_rows >= 0, last_tokens[jnp.maximum(inp.prev_rows, 0)],
                             inp.input_ids)
+            # (with speculation the head runs below, over the rows each step needs)
             k, v, logits, hidden = self.model.apply({"params": params}, ids, kv.k, kv.v,
-                                                    inp.attn, inp.logits_indices)
+                                                    inp.attn,
+                                                    None if spec_k else inp.logits_indices)
             kv = KVCache(k, v)
-            if self.mesh is not None:
-                # Compute the logits split by vocabulary, then gather them once: left split,
-                # the sampler's sorts and reductions gather them 3 times; asked for replicated
-                # logits alone, XLA gathers the (V, D) embedding instead (measured).
-                logits = sharding.gather_once(logits, self.mesh)
+        head = head_weight(self.model_config, params)
+
+        def head_logits(x):
+            # Under TP: computed split by vocabulary, then gathered once (left split, the
+            # sampler's sorts and reductions gather them 3 times; asked for replicated logits
+            # alone, XLA gathers the (V, D) embedding instead: measured).
+            logits = lm_logits(self.model_config, x, head)
+            return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
+
+        def sample_rows(logits):  # (S, V) -> the plain sampler's output
+            return sample(logits_processing.apply(logits, inp.processing), inp.sampling,
+                          max_logprobs, inp.processing.min_p, raw_logits=logits)
+
         with jax.named_scope("sample"):
-            processed = logits_processing.apply(logits, inp.processing)
-            out = sample(processed, inp.sampling, max_logprobs, inp.processing.min_p,
-                         raw_logits=logits)
+            if not spec_k:
+                out = sample_rows(logits if self.mesh is None
+                                  else sharding.gather_once(logits, self.mesh))
+            else:
+                out = self._sample_or_verify(hidden, head_logits, sample_rows, inp,
+                                             max_logprobs)
         with jax.named_scope("prompt_logprobs"):
-            head = head_weight(self.model_config, params)
-
-            def all_logits(x):  # under TP, gathered once as the sampled rows' are
-                logits = lm_logits(self.model_config, x, head)
-                return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
-
-            prompt = prompt_logprobs(all_logits, hidden, inp.prompt_targets, max_logprobs)
-        next_tokens = jnp.zeros_like(last_tokens).at[:out.tokens.shape[0]].set(out.tokens[:, 0])
+            prompt = prompt_logprobs(head_logits, hidden, inp.prompt_targets, max_logprobs)
+        # each row's last token (a later step's input under asynchronous scheduling)
+        last = jnp.take_along_axis(out.tokens, jnp.maximum(out.num_tokens - 1, 0)[:, None],
+                                   axis=1)[:, 0]
+        next_tokens = jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
         return kv, StepResult(out, prompt), next_tokens
+
+    @staticmethod
+    def _sample_or_verify(hidden, head_logits, sample_rows, inp: StepInputs,
+                          max_logprobs: int) -> SamplerOutput:
+        """A step with proposals verifies them (runtime/speculative.py); one without samples
+        as usual. Either way the output has K + 1 token slots per row."""
+        spec = inp.spec
+        s, k1 = spec.verify_rows.shape
+
+        def plain():
+            out = sample_rows(head_logits(hidden[inp.logits_indices]))
+            pad = lambda a: jnp.pad(a, [(0, 0), (0, k1 - 1)] + [(0, 0)] * (a.ndim - 2))
+            return jax.tree.map(lambda a: a if a.ndim == 1 else pad(a), out)
+
+        def verify_step():
+            rows = spec.verify_rows.reshape(-1)
+            if hidden.shape[0] <= rows.shape[0]:  # fewer query rows than row slots
+                raw = head_logits(hidden)[rows]
+            else:
+                raw = head_logits(hidden[rows])
+            raw = raw.reshape(s, k1, -1)
+            # A row without proposals verifies only its last row, and processes its logits as
+            # always (a row that processes them never proposes).
+            first = logits_processing.apply(raw[:, 0], inp.processing)
+            return verify(raw.at[:, 0].set(first), raw, spec, inp.sampling, max_logprobs,
+                          inp.processing.min_p)
+
+        return jax.lax.cond(jnp.any(spec.num_drafts > 0), verify_step, plain)
 
     # -------------------------------------------------------------------------------- compile
 
@@ -209,7 +249,8 @@ class ModelRunner:
         return self._unused[s]
 
     def _dummy_inputs(self, bucket: tuple[int, int, int]) -> StepInputs:
-        return dummy_step_inputs(*bucket, self.block_size, self.num_blocks, self.logits_shape)
+        return dummy_step_inputs(*bucket, self.block_size, self.num_blocks, self.logits_shape,
+                                 self.config.spec_tokens)
 
     def _lower(self, bucket: tuple[int, int, int]) -> jax.stages.Lowered:
         return self._jitted.lower(self.params, self.kv, self._last_tokens,

@@ -14,6 +14,7 @@ from jaxserve.core.sequence import PENDING
 from jaxserve.runtime import logits_processing
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
+from jaxserve.runtime.speculative import SpecInputs
 from kernels.metadata import AttentionMetadata
 
 
@@ -30,6 +31,7 @@ class StepInputs:
     prompt_targets: np.ndarray
     sampling: SamplingInputs
     processing: LogitsInputs  # per-request logit processing (runtime/logits_processing.py)
+    spec: SpecInputs  # proposed tokens to verify (runtime/speculative.py); K = 0 without
 
     @property
     def bucket(self) -> tuple[int, int, int]:
@@ -58,9 +60,11 @@ def build_step_inputs(
     num_blocks: int,
     logits_shape: LogitsShape,
     prev_rows: Mapping[str, int] | None = None,
+    spec_k: int = 0,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
-    input token that step is sampling (asynchronous scheduling)."""
+    input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
+    row may propose (speculative decoding)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
@@ -104,13 +108,21 @@ def build_step_inputs(
                                  + pos % block_size)
     ids: list[int] = []
     from_prev = np.full(t_pad, -1, np.int32)
+    spec = empty_spec_inputs(s_pad, spec_k)
+    spec.verify_rows[:num_seqs] = logits_indices[:num_seqs, None]  # a row without proposals
     for i, s in enumerate(scheduled):
-        if s.num_tokens == 1:
+        if s.num_tokens == 1 or s.drafts:  # a decode: its last token, then any proposals
             token = s.seq.token_at(s.start)
             if token == PENDING:  # the device has it: row qsl[i] reads it from the last step
                 from_prev[qsl[i]] = prev_rows[s.seq.request_id]
                 token = 0
             ids.append(token)
+            if s.drafts:
+                nd = len(s.drafts)
+                ids.extend(s.drafts)
+                spec.draft_tokens[i, :nd] = s.drafts
+                spec.num_drafts[i] = nd
+                spec.verify_rows[i] = qsl[i] + np.minimum(np.arange(spec_k + 1), nd)
         else:  # a prompt chunk (or a recompute): every token is on the host
             ids.extend(s.seq.tokens(s.start, s.start + s.num_tokens))
     input_ids[:num_tokens] = ids
@@ -140,11 +152,18 @@ def build_step_inputs(
                                 steps=steps, samples=samples,
                                 want_logprobs=np.bool_(want_logprobs)),
         processing=logits_processing.build(processed, logits_shape, s_pad),
+        spec=spec,
     )
 
 
+def empty_spec_inputs(s: int, k: int) -> SpecInputs:
+    """No proposals: each row verifies only its own last row."""
+    return SpecInputs(draft_tokens=np.zeros((s, k), np.int32), num_drafts=np.zeros(s, np.int32),
+                      verify_rows=np.zeros((s, k + 1), np.int32))
+
+
 def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
-                      logits_shape: LogitsShape) -> StepInputs:
+                      logits_shape: LogitsShape, spec_k: int = 0) -> StepInputs:
     """Shape-only stand-in for compiling a bucket at warmup (all rows are padding)."""
     i32 = lambda n: np.zeros(n, np.int32)
     return StepInputs(
@@ -161,4 +180,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                                 seeds=np.zeros(s, np.uint32), steps=i32(s),
                                 samples=np.zeros(s, bool), want_logprobs=np.bool_(False)),
         processing=logits_shape.unused(s),
+        spec=empty_spec_inputs(s, spec_k),
     )

@@ -84,6 +84,12 @@ class PrometheusExporter:
                                    registry=r)
         self.prefix_host_blocks = Gauge("jaxserve_prefix_cache_host_blocks",
                                         "Blocks in the prefix cache's host tier", registry=r)
+        self.spec_proposed = Counter("jaxserve_spec_decode_num_draft_tokens",
+                                     "Tokens proposed by speculative decoding", registry=r)
+        self.spec_accepted = Counter("jaxserve_spec_decode_num_accepted_tokens",
+                                     "Proposed tokens the target model accepted", registry=r)
+        self.spec_steps = Counter("jaxserve_spec_decode_num_steps",
+                                  "Steps that verified proposals", registry=r)
         self._counters = (("num_preemptions", self.preemptions),
                           ("num_rejections", self.rejections),
                           ("prompt_tokens", self.prompt_tokens),
@@ -92,7 +98,10 @@ class PrometheusExporter:
                           ("prefix_cache_hits", self.prefix_hits),
                           ("prefix_cache_host_hits", self.prefix_host_hits),
                           ("prefix_cache_evictions", self.prefix_evictions),
-                          ("prefix_cache_host_evictions", self.prefix_host_evictions))
+                          ("prefix_cache_host_evictions", self.prefix_host_evictions),
+                          ("spec_proposed_tokens", self.spec_proposed),
+                          ("spec_accepted_tokens", self.spec_accepted),
+                          ("spec_steps", self.spec_steps))
         self._gauges = (("num_running", self.running), ("num_waiting", self.waiting),
                         ("num_swapped", self.swapped), ("kv_blocks_used", self.kv_used),
                         ("prefix_cache_blocks", self.prefix_blocks),

@@ -75,11 +75,15 @@ def test_replicas_need_their_devices():
 
 
 def test_snapshots_merge_by_summing_counts_and_recomputing_ratios():
+    spec = {"spec_accepted_tokens": 6, "spec_proposed_tokens": 8, "spec_acceptance_rate": 0.75,
+            "spec_emitted_tokens": 9, "spec_verify_rows": 3, "spec_mean_accepted_length": 3.0}
+    idle = dict.fromkeys(spec, 0)
     a = {"num_running": 2, "kv_blocks_used": 10, "kv_blocks_total": 40, "kv_usage": 0.25,
-         "prefix_cache_hits": 3, "prefix_cache_queries": 4, "prefix_cache_hit_rate": 0.75}
+         "prefix_cache_hits": 3, "prefix_cache_queries": 4, "prefix_cache_hit_rate": 0.75} | spec
     b = {"num_running": 1, "kv_blocks_used": 0, "kv_blocks_total": 40, "kv_usage": 0.0,
-         "prefix_cache_hits": 0, "prefix_cache_queries": 0, "prefix_cache_hit_rate": 0.0}
+         "prefix_cache_hits": 0, "prefix_cache_queries": 0, "prefix_cache_hit_rate": 0.0} | idle
     m = data_parallel.merge_snapshots([a, b])
     assert m["num_running"] == 3 and m["kv_usage"] == 10 / 80
     assert m["prefix_cache_hit_rate"] == 0.75 and m["replicas"] == [a, b]
+    assert m["spec_acceptance_rate"] == 0.75 and m["spec_mean_accepted_length"] == 3.0
     assert data_parallel.merge_snapshots([a]) is a

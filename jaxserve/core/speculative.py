@@ -1,0 +1,179 @@
+"""Speculative decoding on the host (no jax): the n-gram proposer and the load-adaptive policy.
+
+A speculating sequence runs 1 + k query rows in a step: its last token and k proposed ones.
+The step's verification (runtime/speculative.py) keeps the longest prefix of the proposal the
+target model agrees with, plus one token of its own, so a step gives 1 to k + 1 tokens.
+
+**n-gram (prompt lookup).** The proposal is what followed the latest earlier occurrence of the
+context's last n tokens, trying n from `prompt_lookup_max` down to `prompt_lookup_min`: output
+that copies spans of its input (summaries, edits, answers quoting a context, code) is proposed
+for free.
+
+**Load-adaptive k.** A step's time is that of its program, chosen by its padded token count:
+the policy keeps a running mean of each token bucket's decode step time, measured by the engine
+itself. With B speculating sequences, k proposed tokens each and a per-token acceptance rate a
+(a running mean), a step yields B * (1 - a^(k+1)) / (1 - a) tokens in the time of the bucket
+that holds its rows plus B * k. Each step takes the k in [1, num_speculative_tokens] that
+maximizes that rate within the step's token budget, if it beats k = 0 by 10% (else 0). A
+bucket not yet measured is assumed to cost what the next smaller measured one does, so it is
+tried once and then known. At low load
+a step's time is mostly streaming the weights, larger buckets cost little more, and k goes up;
+when the batch is compute-bound a bucket twice as large costs about twice as much, so extra
+rows must be accepted at nearly every position to pay, and k drops to 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NgramProposer:
+    k: int  # most tokens proposed
+    n_min: int
+    n_max: int
+
+    def propose(self, context: list[int], k: int | None = None) -> list[int]:
+        """Up to `k` (default self.k) tokens that followed the latest earlier occurrence of
+        the longest suffix of `context` (of n_min..n_max tokens) found before its end."""
+        k = self.k if k is None else k
+        size = len(context)
+        if k <= 0 or size <= self.n_min:
+            return []
+        ctx = np.asarray(context, np.int64)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            suffix = ctx[size - n:]
+            # windows that start at i < size - n and equal the suffix, latest first
+            starts = np.flatnonzero(ctx[:size - n] == suffix[0])
+            for i in starts[::-1]:
+                if i + n <= size - 1 and np.array_equal(ctx[i:i + n], suffix):
+                    follow = ctx[i + n:min(i + n + k, size)]
+                    if len(follow):
+                        return follow.tolist()
+        return []
+
+
+@dataclasses.dataclass(slots=True)
+class SpecStats:
+    """What speculation did: proposed and accepted tokens, and the steps that verified."""
+
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_spec_steps: int = 0  # steps with at least one proposal
+    num_spec_rows: int = 0  # sequence rows that verified a proposal
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying row gained per step: its accepted proposals plus its own one."""
+        rows = self.num_spec_rows
+        return (self.num_accepted + rows) / rows if rows else 0.0
+
+
+class AdaptivePolicy:
+    """Chooses each step's k from the batch size, the token budget, the measured acceptance
+    rate and the measured time of each token bucket (see the module docstring)."""
+
+    def __init__(self, max_k: int, token_buckets: tuple[int, ...], adaptive: bool = True,
+                 smoothing: float = 0.2, margin: float = 1.1):
+        self.max_k = max_k
+        # a k > 0 must promise this much more than k = 0: the estimates are noisy, and a step
+        # that speculates also costs host work and a larger head the estimate does not hold
+        self.margin = margin
+        self.buckets = tuple(sorted(token_buckets))
+        self.adaptive = adaptive
+        self.smoothing = smoothing
+        self.acceptance = 0.5  # per proposed token, a running mean; a neutral start
+        self.step_time: dict[int, float] = {}  # token bucket -> running mean of its steps
+
+    def bucket(self, tokens: int) -> int:
+        i = bisect.bisect_left(self.buckets, tokens)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode step's time (its program is chosen by its padded token count)."""
+        b = self.bucket(num_tokens)
+        old = self.step_time.get(b)
+        self.step_time[b] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def record_acceptance(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            w = min(1.0, proposed / 64)  # a step's evidence, weighted by its size
+            self.acceptance += w * (accepted / proposed - self.acceptance)
+
+    def estimate(self, tokens: int) -> float:
+        """The expected time of a step of `tokens`: its bucket's measured time, else
+        (optimistically, so that it gets measured) that of the largest smaller bucket
+        measured, else 0."""
+        b = self.bucket(tokens)
+        if b in self.step_time:
+            return self.step_time[b]
+        below = [x for x in self.step_time if x < b]
+        return self.step_time[max(below)] if below else 0.0
+
+    def choose_k(self, num_seqs: int, other_tokens: int, budget: int) -> int:
+        """k for each of `num_seqs` speculating sequences in a step whose other rows hold
+        `other_tokens` tokens, with `budget` tokens in all."""
+        if num_seqs <= 0:
+            return 0
+        room = (budget - other_tokens - num_seqs) // num_seqs
+        top = max(0, min(self.max_k, room))
+        if not self.adaptive or top == 0:
+            return top
+        a = min(max(self.acceptance, 0.0), 0.99)
+        base = other_tokens + num_seqs
+
+        def rate(k: int) -> float:
+            expected = (1 - a ** (k + 1)) / (1 - a)  # tokens per sequence
+            return num_seqs * expected / max(self.estimate(base + num_seqs * k), 1e-9)
+
+        # ties (all unmeasured) go to the larger k, which then gets measured
+        best = max(range(top, 0, -1), key=rate)
+        return best if rate(best) > self.margin * rate(0) else 0
+
+
+class Speculator:
+    """The scheduler's side of speculative decoding: which decodes speculate this step, and
+    what they propose."""
+
+    def __init__(self, proposer: NgramProposer, policy: AdaptivePolicy):
+        self.proposer = proposer
+        self.policy = policy
+        self.stats = SpecStats()
+
+    @staticmethod
+    def eligible(seq) -> bool:
+        """Its tokens are all on the host (a proposal continues them) and its logits are not
+        processed (penalties, masks and grammars hold for one position at a time)."""
+        return not seq.num_pending and not seq.params.processes_logits
+
+    def plan(self, seqs: list, other_tokens: int, budget: int,
+             max_model_len: int) -> dict[str, list[int]]:
+        """request id -> proposed tokens, for the eligible `seqs` that get a proposal."""
+        k = self.policy.choose_k(len(seqs), other_tokens, budget)
+        if k == 0:
+            return {}
+        plans = {}
+        for seq in seqs:
+            # no more tokens than the request may still produce, nor positions past the end
+            room = min(k, seq.params.max_tokens - seq.num_sampled - 1,
+                       max_model_len - seq.num_tokens)
+            drafts = self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, room)
+            if drafts:
+                plans[seq.request_id] = drafts
+        return plans
+
+    def record(self, proposed: int, accepted: int, rows: int) -> None:
+        """A step's verification: `rows` sequences proposed `proposed` tokens in all."""
+        if rows:
+            self.stats.num_proposed += proposed
+            self.stats.num_accepted += accepted
+            self.stats.num_spec_steps += 1
+            self.stats.num_spec_rows += rows
+            self.policy.record_acceptance(proposed, accepted)

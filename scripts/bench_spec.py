@@ -1,0 +1,119 @@
+"""Speculative decoding on an input-grounded workload: chat requests that copy, correct, edit,
+quote or summarize a text given in the prompt, in process at a fixed concurrency, with
+speculation off, adaptive (the policy of jaxserve/core/speculative.py) and at a fixed k.
+
+    python scripts/bench_spec.py [--concurrency 1 4 64] [--max-tokens 128]
+
+Greedy, so every configuration generates the same tokens; each engine warms up (compiles)
+first and runs the concurrencies in order. Prints output tok/s, TPOT p50, the acceptance rate
+and the tokens a verifying row gained per step, and each configuration's speed against 'off'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxserve import EngineConfig, LLMEngine  # noqa: E402
+from jaxserve.bench import drivers, report  # noqa: E402
+from jaxserve.bench.workload import BenchRequest  # noqa: E402
+
+PASSAGES = [
+    "The harbour town wakes early. Fishing boats leave before dawn, and by seven the market "
+    "stalls are full of mackerel, crab and bright orange mussels. Visitors who arrive by the "
+    "morning ferry can walk the cliff path to the lighthouse, which opens at ten.",
+    "To make the bread, mix 500 grams of flour with 10 grams of salt and 7 grams of yeast. "
+    "Add 350 millilitres of warm water and knead for ten minutes. Let the dough rise for one "
+    "hour, shape it, rise again for forty minutes, then bake at 220 degrees for thirty minutes.",
+    "The library moved to the old railway station in 2019. Its reading room sits under the "
+    "glass roof of the former hall, the children's section fills the ticket office, and the "
+    "archive of local newspapers is kept in the cool rooms below the platforms.",
+    "Our team meets on Mondays at nine to plan the week. Each person names one goal and one "
+    "risk. On Fridays at four we look at what was finished, what slipped and why, and we write "
+    "one sentence about what we would do differently next time.",
+]
+CODE = [
+    "def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n",
+    "def count_words(text):\n    total = {}\n    for word in text.split():\n"
+    "        total[word] = total.get(word, 0) + 1\n    return total\n",
+]
+TYPOS = str.maketrans({"e": "3"})  # a text to correct: every 'e' made a '3'
+
+
+def prompts() -> list[str]:
+    out = []
+    for p in PASSAGES:
+        out.append(f"Repeat the following text exactly, word for word:\n\n{p}")
+        out.append(f"Every letter e in this text was typed as 3. Write the corrected text:"
+                   f"\n\n{p.translate(TYPOS)}")
+        out.append(f"Quote the sentence of this text that gives a time or a number, "
+                   f"exactly:\n\n{p}")
+        out.append(f"Summarize this text in one sentence:\n\n{p}")
+    for c in CODE:
+        out.append(f"Rename the variable `total` to `acc` in this Python function and return "
+                   f"the whole function:\n\n{c}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 64])
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    args = ap.parse_args()
+    from models.loader import load_model
+
+    loaded = load_model()
+    tok = loaded.tokenizer
+    texts = prompts()
+    ids = [list(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                        add_generation_prompt=True, return_dict=False))
+           for t in texts]
+    configs = {"off": {},
+               "adaptive": dict(speculative_method="ngram", num_speculative_tokens=args.k),
+               f"fixed k={args.k}": dict(speculative_method="ngram",
+                                         num_speculative_tokens=args.k,
+                                         speculative_adaptive=False)}
+    rows = {}
+    for name, kw in configs.items():
+        engine = LLMEngine(EngineConfig(log_stats_interval_s=0, **kw), loaded=loaded)
+        engine.warmup()
+        for c in args.concurrency:
+            n = max(c * args.requests_per_client, len(ids)) if c > 1 else len(ids)
+            workload = [BenchRequest(i, 0.0, list(ids[i % len(ids)]), args.max_tokens)
+                        for i in range(n)]
+            before = engine.metrics_snapshot()
+            res, dur, samples = drivers.run_engine(engine, workload, progress=False,
+                                                   concurrency=c, ignore_eos=False)
+            s = report.summarize(res, dur, workload, samples)
+            after = engine.metrics_snapshot()
+            rows_v = after["spec_verify_rows"] - before["spec_verify_rows"]
+            acc = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            prop = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+            failed = [r.error for r in res if r.error]
+            if failed:
+                raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
+            rows[(name, c)] = s | {"acceptance": acc / prop if prop else 0.0,
+                                   "per_row": (acc + rows_v) / rows_v if rows_v else 0.0,
+                                   "proposed": prop}
+            r = rows[(name, c)]
+            print(f"{name:>10} c={c:<3} {r['output_tok_per_s']:7.1f} tok/s  TPOT p50 "
+                  f"{r['tpot_p50_s'] * 1e3:6.1f} ms  proposed {prop:6d}  acceptance "
+                  f"{r['acceptance']:.2f}  tokens per verifying row {r['per_row']:.2f}",
+                  flush=True)
+        del engine
+    print("\nconcurrency  " + "  ".join(f"{n:>22}" for n in configs))
+    for c in args.concurrency:
+        base = rows[("off", c)]["output_tok_per_s"]
+        cells = [f"{rows[(n, c)]['output_tok_per_s']:7.1f} tok/s "
+                 f"({rows[(n, c)]['output_tok_per_s'] / base:4.2f}x)" for n in configs]
+        print(f"{c:>11}  " + "  ".join(f"{x:>22}" for x in cells))
+
+
+if __name__ == "__main__":
+    main()
