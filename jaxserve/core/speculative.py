@@ -15,8 +15,8 @@ itself. With B speculating sequences, k proposed tokens each and a per-token acc
 (a running mean), a step yields B * (1 - a^(k+1)) / (1 - a) tokens in the time of the bucket
 that holds its rows plus B * k. Each step takes the k in [1, num_speculative_tokens] that
 maximizes that rate within the step's token budget, if it beats k = 0 by 10% (else 0). A
-bucket not yet measured is assumed to cost what the next smaller measured one does, so it is
-tried once and then known. At low load
+bucket no decode step has measured takes its time from steps that also prefilled, else is
+assumed to cost in proportion to its tokens (as a compute-bound device would). At low load
 a step's time is mostly streaming the weights, larger buckets cost little more, and k goes up;
 when the batch is compute-bound a bucket twice as large costs about twice as much, so extra
 rows must be accepted at nearly every position to pay, and k drops to 0.
@@ -90,17 +90,21 @@ class AdaptivePolicy:
         self.adaptive = adaptive
         self.smoothing = smoothing
         self.acceptance = 0.5  # per proposed token, a running mean; a neutral start
-        self.step_time: dict[int, float] = {}  # token bucket -> running mean of its steps
+        self.step_time: dict[int, float] = {}  # token bucket -> running mean of decode steps
+        self.mixed_time: dict[int, float] = {}  # ... of steps that also prefilled
 
     def bucket(self, tokens: int) -> int:
         i = bisect.bisect_left(self.buckets, tokens)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode step's time (its program is chosen by its padded token count)."""
+    def record_step(self, num_tokens: int, seconds: float, decode_only: bool = True) -> None:
+        """A step's time (its program is chosen by its padded token count). Decode steps
+        (verifying ones included) are what k is chosen for; steps that also prefill only
+        stand in for a bucket no decode step has measured."""
+        table = self.step_time if decode_only else self.mixed_time
         b = self.bucket(num_tokens)
-        old = self.step_time.get(b)
-        self.step_time[b] = seconds if old is None else old + self.smoothing * (seconds - old)
+        old = table.get(b)
+        table[b] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def record_acceptance(self, proposed: int, accepted: int) -> None:
         if proposed:
@@ -108,14 +112,19 @@ class AdaptivePolicy:
             self.acceptance += w * (accepted / proposed - self.acceptance)
 
     def estimate(self, tokens: int) -> float:
-        """The expected time of a step of `tokens`: its bucket's measured time, else
-        (optimistically, so that it gets measured) that of the largest smaller bucket
-        measured, else 0."""
+        """The expected time of a step of `tokens`: its bucket's measured decode-step time,
+        else its measured time in steps that also prefilled, else the largest smaller
+        measured bucket's scaled up in proportion to the tokens (as if compute-bound), else 0
+        (nothing known yet)."""
         b = self.bucket(tokens)
-        if b in self.step_time:
-            return self.step_time[b]
-        below = [x for x in self.step_time if x < b]
-        return self.step_time[max(below)] if below else 0.0
+        for table in (self.step_time, self.mixed_time):
+            if b in table:
+                return table[b]
+        below = [x for x in (*self.step_time, *self.mixed_time) if x < b]
+        if not below:
+            return 0.0
+        x = max(below)
+        return self.step_time.get(x, self.mixed_time.get(x)) * b / x
 
     def choose_k(self, num_seqs: int, other_tokens: int, budget: int) -> int:
         """k for each of `num_seqs` speculating sequences in a step whose other rows hold

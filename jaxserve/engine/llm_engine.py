@@ -491,13 +491,13 @@ class LLMEngine:
 
     def _record_speculation(self, scheduled: list[ScheduledSeq], result, prefill: int,
                             seconds: float) -> None:
-        """What the step's proposals gained; a decode-only step's time feeds the policy."""
+        """What the step's proposals gained; the step's time feeds the policy."""
         rows = [(i, len(s.drafts)) for i, s in enumerate(scheduled) if s.drafts]
         gained = result.num_tokens
         self.speculator.record(sum(n for _, n in rows),
                                sum(max(0, int(gained[i]) - 1) for i, _ in rows), len(rows))
-        if not prefill:
-            self.speculator.policy.record_step(sum(s.num_tokens for s in scheduled), seconds)
+        self.speculator.policy.record_step(sum(s.num_tokens for s in scheduled), seconds,
+                                           decode_only=not prefill)
 
     def metrics_snapshot(self) -> dict:
         """Engine-wide figures as a plain dict (what /metrics and the bench harness read)."""

@@ -37,16 +37,19 @@ def test_policy_speculates_when_steps_cost_the_same_and_stops_when_they_scale():
     assert light.choose_k(num_seqs=4, other_tokens=510, budget=512) == 0
 
 
-def test_policy_tries_an_unmeasured_bucket_once_then_knows_it():
+def test_policy_prices_an_unmeasured_bucket_from_prefill_steps_or_by_its_tokens():
     policy = AdaptivePolicy(4, BUCKETS)
-    policy.acceptance = 0.3
+    policy.acceptance = 0.7
+    assert policy.choose_k(64, 0, 512) == 4  # nothing known: every step costs the same
     policy.record_step(64, 0.10)  # 64 decodes alone
-    # 64 + 64 * k rows lands in buckets never measured: assumed as cheap, so tried
+    # 64 + 64 * k rows: buckets no step has measured, priced in proportion to their tokens
+    assert policy.choose_k(64, 0, 512) == 0
+    # a step that prefilled 512 tokens took about what 64 decodes take (a memory-bound
+    # device): the bucket is cheap, so speculating pays
+    policy.record_step(500, 0.11, decode_only=False)
     assert policy.choose_k(64, 0, 512) == 4
-    policy.record_step(320, 0.55)  # measured: 5.5x the time for at most 1.4x the tokens
-    assert policy.choose_k(64, 0, 512) < 4
-    policy.record_step(128, 0.21)
-    policy.record_step(192, 0.40)
+    # verifying steps measured at that bucket cost far more: back to no speculation
+    policy.record_step(320, 0.50)
     assert policy.choose_k(64, 0, 512) == 0
 
 
