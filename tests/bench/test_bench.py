@@ -115,8 +115,8 @@ def test_continuous_beats_static_on_varied_output_lengths(tiny_llama_dir):
     ratio = out["fcfs"][0]["output_tok_per_s"] / out["static"][0]["output_tok_per_s"]
     print(f"continuous/static output tok/s = {ratio:.2f}; steps {out['fcfs'][1]} vs "
           f"{out['static'][1]}")
-    assert out["fcfs"][1] < out["static"][1]
-    assert ratio > 1.2
+    # the same tokens in fewer steps (counted, not timed: wall time depends on the machine)
+    assert out["static"][1] > 1.5 * out["fcfs"][1]
 
 
 def test_profile_trace_contains_named_scopes(tiny_llama_dir, tmp_path):
