@@ -92,12 +92,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`, last block first."""
         for b in reversed(seq.block_table):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.num_used_blocks -= 1
-                self.free_queue[b] = None  # the back: evicted last
-                if self.hash_of[b] is None:
-                    self.free_queue.move_to_end(b, last=False)  # nothing to keep: taken first
+            self._unref(b)
         seq.block_table = []
         seq.num_cached_blocks = 0
 
@@ -106,12 +101,16 @@ class BlockManager:
         tokens that were rejected; never named, so they go to the front of the queue)."""
         keep = max(self.blocks_needed(num_tokens), seq.num_cached_blocks)
         while len(seq.block_table) > keep:
-            b = seq.block_table.pop()
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.num_used_blocks -= 1
-                self.free_queue[b] = None
-                self.free_queue.move_to_end(b, last=False)
+            self._unref(seq.block_table.pop())
+
+    def _unref(self, b: int) -> None:
+        """Drop a reference to block `b`; unused, it joins the free queue."""
+        self.ref_count[b] -= 1
+        if self.ref_count[b] == 0:
+            self.num_used_blocks -= 1
+            self.free_queue[b] = None  # the back: evicted last
+            if self.hash_of[b] is None:
+                self.free_queue.move_to_end(b, last=False)  # nothing to keep: taken first
 
     def _ref(self, b: int) -> None:
         if self.ref_count[b] == 0:

@@ -65,15 +65,17 @@ class StepOutput:
         {token id: logprob} of the k best}."""
         p = self.prompt
         return {"logprob": float(p.logprobs[row]), "rank": int(p.ranks[row]),
-                "top": {int(t): float(lp) for t, lp in zip(p.top_ids[row, :k],
-                                                           p.top_logprobs[row, :k], strict=True)}}
+                "top": _top(p.top_ids[row, :k], p.top_logprobs[row, :k])}
 
     def logprob_entry(self, row: int, j: int, k: int) -> dict:
         """{"logprob": of token j of `row`, "top": {token id: logprob} of the k best}."""
         return {"logprob": float(self.logprobs[row, j]),
-                "top": {int(t): float(lp) for t, lp in zip(self.top_ids[row, j, :k],
-                                                           self.top_logprobs[row, j, :k],
-                                                           strict=True)}}
+                "top": _top(self.top_ids[row, j, :k], self.top_logprobs[row, j, :k])}
+
+
+def _top(ids: np.ndarray, logprobs: np.ndarray) -> dict[int, float]:
+    """Top ids and their logprobs -> {token id: logprob}, best first."""
+    return {int(t): float(lp) for t, lp in zip(ids, logprobs, strict=True)}
 
 
 @jax.tree_util.register_dataclass
