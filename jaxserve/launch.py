@@ -8,7 +8,9 @@ the script on each with the same three values as flags instead.
 
 The launcher only starts, relays signals and waits: a process whose peer dies exits on its own
 (with a message saying so). The launcher prints every process's exit status and returns that
-of the first process to fail (128 + N for a process killed by signal N), or 0.
+of the first process to fail for its own reason (128 + N for a process killed by signal N): a
+process that exits because its peer was lost (EXIT_PEER_LOST) is reported only when no other
+failed, or 0 when all succeeded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from jaxserve.runtime.distributed import ENV
+from jaxserve.runtime.distributed import ENV, EXIT_PEER_LOST
 
 
 def free_port() -> int:
@@ -56,14 +58,21 @@ def launch(num_processes: int, command: list[str], cpu_devices_per_process: int 
             if p.poll() is None:
                 p.send_signal(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, relay)
-    first_failure = 0
-    while any(p.returncode is None for p in procs):
-        for p in procs:
-            if p.returncode is None and p.poll() is not None and p.returncode and not first_failure:
-                first_failure = p.returncode if p.returncode > 0 else 128 - p.returncode
-        time.sleep(0.1)
+    # Relay only while the children live; the caller's own handlers come back afterwards.
+    previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failures = []  # exit statuses in the order the polls saw them
+    try:
+        while any(p.returncode is None for p in procs):
+            for p in procs:
+                if p.returncode is None and p.poll() is not None and p.returncode:
+                    failures.append(p.returncode if p.returncode > 0 else 128 - p.returncode)
+            time.sleep(0.1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"[launch] exit statuses: {[p.returncode for p in procs]}", file=sys.stderr,
           flush=True)
-    return first_failure
+    # A process that left because its peer did is a consequence, not the cause; one poll can
+    # see both exits, so the cause is the first failure that is not EXIT_PEER_LOST.
+    causes = [f for f in failures if f != EXIT_PEER_LOST]
+    return (causes or failures or [0])[0]

@@ -1,0 +1,38 @@
+"""The launcher's exit status names the process that failed first for its own reason."""
+
+import signal
+
+from jaxserve.launch import launch
+from jaxserve.runtime.distributed import ENV, EXIT_PEER_LOST
+
+# Each child reads its index from the launcher's environment; process 0 plays the survivor that
+# leaves at once with EXIT_PEER_LOST, process 1 the victim whose death is seen only later.
+CHILD = f"""
+import os, signal, sys, time
+i = int(os.environ["{ENV['process_id']}"])
+if i == 0:
+    sys.exit({EXIT_PEER_LOST})
+time.sleep(0.5)
+os.kill(os.getpid(), signal.{{victim}})
+"""
+
+
+def test_a_peer_lost_exit_seen_first_does_not_hide_the_cause():
+    code = launch(2, ["-c", CHILD.format(victim="SIGKILL")])
+    assert code == 128 + signal.SIGKILL
+
+
+def test_only_peer_lost_exits_report_peer_lost(capfd):
+    code = launch(2, ["-c", f"import sys; sys.exit({EXIT_PEER_LOST})"])
+    assert code == EXIT_PEER_LOST
+    assert f"exit statuses: [{EXIT_PEER_LOST}, {EXIT_PEER_LOST}]" in capfd.readouterr().err
+
+
+def test_all_clean_exits_return_zero():
+    assert launch(2, ["-c", "pass"]) == 0
+
+
+def test_the_callers_signal_handlers_come_back():
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    launch(1, ["-c", "pass"])
+    assert {s: signal.getsignal(s) for s in before} == before
