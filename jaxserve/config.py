@@ -34,7 +34,7 @@ def _pow2_range(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = (None, "ngram")
+SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 
 
 class LayerLoop(enum.StrEnum):
@@ -122,9 +122,13 @@ class EngineConfig:
         None, "refuse requests when this many wait (default: unbounded)")
     speculative_method: str | None = option(
         None, "speculative decoding: 'ngram' proposes what followed the latest earlier "
-              "occurrence of the context's last tokens (prompt lookup), verified in the "
-              "target's own step; greedy and sampled outputs keep the target's distribution "
-              "(default: off)")
+              "occurrence of the context's last tokens (prompt lookup); 'draft_model' runs "
+              "speculative_model, a smaller model with the same tokenizer, to propose. "
+              "Proposals are verified in the target's own step; greedy and sampled outputs "
+              "keep the target's distribution (default: off)")
+    speculative_model: str | None = option(
+        None, "draft_model: the draft model, a path as for model (a Llama-family model with "
+              "the target's vocabulary; it gets its own KV pool with the target's blocks)")
     num_speculative_tokens: int = option(4, "most tokens proposed per sequence and step")
     prompt_lookup_min: int = option(2, "ngram: shortest suffix matched")
     prompt_lookup_max: int = option(4, "ngram: longest suffix matched (tried first)")
@@ -175,6 +179,11 @@ class EngineConfig:
             raise ValueError(f"speculative_method must be one of "
                              f"{', '.join(map(str, SPECULATIVE_METHODS))}, "
                              f"got {self.speculative_method!r}")
+        if (self.speculative_method == "draft_model") != (self.speculative_model is not None):
+            raise ValueError("speculative_model is the draft model of "
+                             "speculative_method='draft_model': give both or neither (got "
+                             f"method {self.speculative_method!r}, model "
+                             f"{self.speculative_model!r})")
         if not isinstance(self.num_speculative_tokens, int) or not (
                 1 <= self.num_speculative_tokens <= 16):
             raise ValueError(f"num_speculative_tokens must be in [1, 16], "

@@ -1,8 +1,12 @@
 """Speculative decoding on an input-grounded workload: chat requests that copy, correct, edit,
 quote or summarize a text given in the prompt, in process at a fixed concurrency, with
-speculation off, adaptive (the policy of jaxserve/core/speculative.py) and at a fixed k.
+speculation off, adaptive (the policy of jaxserve/core/speculative.py) and at a fixed k, all
+n-gram; `draft` runs the adaptive policy on a draft model's proposals (`--draft-model`, by
+default the target itself: every proposal is then accepted, and the draft costs what the target
+does, so it shows the acceptance side, not a speed-up).
 
     python scripts/bench_spec.py [--concurrency 1 4 64] [--max-tokens 128]
+    python scripts/bench_spec.py --configs off draft --draft-model PATH
 
 Greedy, so every configuration generates the same tokens; each engine warms up (compiles)
 first and runs the concurrencies in order. Prints output tok/s, TPOT p50, the acceptance rate
@@ -67,7 +71,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--configs", nargs="+", default=["off", "adaptive", "fixed"],
-                    help="which of off, adaptive, fixed to run")
+                    help="which of off, adaptive, fixed, draft to run")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft: the draft model's path (default: the target's)")
     args = ap.parse_args()
     from models.loader import load_model
 
@@ -80,7 +86,9 @@ def main() -> None:
     configs = {"off": {},
                "adaptive": dict(speculative_method="ngram", num_speculative_tokens=args.k),
                "fixed": dict(speculative_method="ngram", num_speculative_tokens=args.k,
-                             speculative_adaptive=False)}
+                             speculative_adaptive=False),
+               "draft": dict(speculative_method="draft_model", num_speculative_tokens=args.k,
+                             speculative_model=args.draft_model or loaded.path)}
     configs = {name: configs[name] for name in args.configs}
     rows = {}
     for name, kw in configs.items():

@@ -9,6 +9,10 @@ context's last n tokens, trying n from `prompt_lookup_max` down to `prompt_looku
 that copies spans of its input (summaries, edits, answers quoting a context, code) is proposed
 for free.
 
+**Draft model.** A smaller model proposes by running ahead of the target; it runs on the device,
+inside the step (runtime/speculative.py), so the host only reserves the rows: the proposer
+returns k placeholder tokens that the step replaces with the draft's.
+
 **Load-adaptive k.** A step's time is that of its program, chosen by its padded token count:
 the policy keeps a running mean of each token bucket's decode step time, measured by the engine
 itself. With B speculating sequences, k proposed tokens each and a per-token acceptance rate a
@@ -54,6 +58,20 @@ class NgramProposer:
                     if len(follow):
                         return follow.tolist()
         return []
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftModelProposer:
+    """Reserves k rows for a draft model's proposals, made on the device in the step."""
+
+    k: int
+    PLACEHOLDER = 0  # the step writes the draft's token over it
+
+    def propose(self, context: list[int], k: int | None = None) -> list[int]:
+        return [self.PLACEHOLDER] * (self.k if k is None else max(0, k))
+
+
+Proposer = NgramProposer | DraftModelProposer
 
 
 @dataclasses.dataclass(slots=True)
@@ -151,7 +169,7 @@ class Speculator:
     """The scheduler's side of speculative decoding: which decodes speculate this step, and
     what they propose."""
 
-    def __init__(self, proposer: NgramProposer, policy: AdaptivePolicy):
+    def __init__(self, proposer: Proposer, policy: AdaptivePolicy):
         self.proposer = proposer
         self.policy = policy
         self.stats = SpecStats()

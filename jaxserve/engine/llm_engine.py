@@ -29,7 +29,13 @@ from jaxserve.core.scheduler import (
     prompt_rows,
 )
 from jaxserve.core.sequence import Sequence
-from jaxserve.core.speculative import AdaptivePolicy, NgramProposer, SpecStats, Speculator
+from jaxserve.core.speculative import (
+    AdaptivePolicy,
+    DraftModelProposer,
+    NgramProposer,
+    SpecStats,
+    Speculator,
+)
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logits_state import LogitsState
@@ -100,11 +106,14 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(config, self.loaded, devices)
+        draft = (load_model(config.speculative_model)
+                 if config.speculative_method == "draft_model" else None)
+        self.runner = ModelRunner(config, self.loaded, devices, draft)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # speculative decoding (core/speculative.py): the scheduler asks it for proposals
         self.speculator = (Speculator(
+            DraftModelProposer(config.num_speculative_tokens) if draft is not None else
             NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                           config.prompt_lookup_max),
             AdaptivePolicy(config.num_speculative_tokens, self.runner.buckets[0],

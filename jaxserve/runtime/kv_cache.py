@@ -58,7 +58,9 @@ def pool_bytes(memory_bytes: int, memory_fraction: float | None,
 
 
 class HostSwapPool:
-    """A preallocated host copy target, (L, host blocks, B, K, H), and the jitted block copies.
+    """A preallocated host copy target for each device pool (the target's, and a draft model's
+    when speculation has one): per pool K and V of (L, host blocks, B, K, H), and the jitted
+    block copies, which move block i of every pool together.
 
     A copy moves at most MAX_COPY_BLOCKS blocks per call, its id list padded to a power of two,
     so the gather/scatter programs are few and all compiled at warmup; padding ids point past
@@ -66,17 +68,16 @@ class HostSwapPool:
 
     MAX_COPY_BLOCKS = 64
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, num_device_blocks: int, block_size: int,
-                 dtype):
+    def __init__(self, pools: tuple[KVCache, ...], num_blocks: int, num_device_blocks: int):
         self.num_device_blocks = num_device_blocks
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = np.zeros(shape, dtype)
-        self.v = np.zeros(shape, dtype)
-        self._gather = jax.jit(lambda kv, ids: (kv.k[:, ids], kv.v[:, ids]))
-        self._pending: list[tuple[list[int], jax.Array, jax.Array]] = []  # copies in flight
+        leaves, treedef = jax.tree.flatten(pools)
+        self.host = [np.zeros((a.shape[0], num_blocks, *a.shape[2:]), a.dtype) for a in leaves]
+        self._gather = jax.jit(lambda pools, ids: [a[:, ids] for a in jax.tree.leaves(pools)])
+        self._pending: list[tuple[list[int], list[jax.Array]]] = []  # copies in flight
         self._scatter = jax.jit(
-            lambda kv, ids, k, v: KVCache(kv.k.at[:, ids].set(k, mode="drop"),
-                                          kv.v.at[:, ids].set(v, mode="drop")),
+            lambda pools, ids, blocks: jax.tree.unflatten(treedef, [
+                a.at[:, ids].set(b, mode="drop")
+                for a, b in zip(jax.tree.leaves(pools), blocks, strict=True)]),
             donate_argnums=(0,))
 
     def _sizes(self):
@@ -97,37 +98,40 @@ class HostSwapPool:
         for i in range(0, len(device_ids), cls.MAX_COPY_BLOCKS):
             yield (device_ids[i:i + cls.MAX_COPY_BLOCKS], host_ids[i:i + cls.MAX_COPY_BLOCKS])
 
-    def warmup(self, kv: KVCache) -> KVCache:
+    def warmup(self, pools: tuple[KVCache, ...]) -> tuple[KVCache, ...]:
         """Compile the copies for every size."""
         for n in self._sizes():
             ids = np.full(n, self.num_device_blocks, np.int32)
-            kv = self._scatter(kv, ids, *self._gather(kv, ids))
-        return kv
+            pools = self._scatter(pools, ids, self._gather(pools, ids))
+        return pools
 
-    def swap_out(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> None:
+    def swap_out(self, pools: tuple[KVCache, ...], device_ids: list[int],
+                 host_ids: list[int]) -> None:
         """Copy device blocks to the host pool (before the step that may reuse them). The
         gather is launched now, ahead of that step; the host waits for its result only at
         `flush()`, so a spill does not stall the scheduling of a step."""
         for dev, host in self._chunks(device_ids, host_ids):
-            k, v = self._gather(kv, self._padded(dev))
-            k.copy_to_host_async()
-            v.copy_to_host_async()
-            self._pending.append((host, k, v))
+            blocks = self._gather(pools, self._padded(dev))
+            for b in blocks:
+                b.copy_to_host_async()
+            self._pending.append((host, blocks))
 
     def flush(self) -> None:
         """Land the launched device->host copies in the host arrays, in launch order."""
-        for host, k, v in self._pending:
-            self.k[:, host] = np.asarray(k)[:, :len(host)]
-            self.v[:, host] = np.asarray(v)[:, :len(host)]
+        for host, blocks in self._pending:
+            for dst, b in zip(self.host, blocks, strict=True):
+                dst[:, host] = np.asarray(b)[:, :len(host)]
         self._pending.clear()
 
-    def swap_in(self, kv: KVCache, device_ids: list[int], host_ids: list[int]) -> KVCache:
+    def swap_in(self, pools: tuple[KVCache, ...], device_ids: list[int],
+                host_ids: list[int]) -> tuple[KVCache, ...]:
         self.flush()  # a block may come back in the step that spilled it
         for dev, host in self._chunks(device_ids, host_ids):
             ids = self._padded(dev)
-            shape = (self.k.shape[0], len(ids), *self.k.shape[2:])
-            k, v = np.zeros(shape, self.k.dtype), np.zeros(shape, self.k.dtype)
-            k[:, :len(host)] = self.k[:, host]
-            v[:, :len(host)] = self.v[:, host]
-            kv = self._scatter(kv, ids, k, v)
-        return kv
+            blocks = []
+            for src in self.host:
+                b = np.zeros((src.shape[0], len(ids), *src.shape[2:]), src.dtype)
+                b[:, :len(host)] = src[:, host]
+                blocks.append(b)
+            pools = self._scatter(pools, ids, blocks)
+        return pools

@@ -1,7 +1,8 @@
 """ModelRunner: owns the params and the KV pool on the device and runs compiled steps.
 
-`step(params, kv, inputs) -> (kv, sampler_output)` is jitted with the KV pool donated, so XLA
-updates the pages in place. One executable exists per (tokens, sequences, blocks-per-sequence)
+`step(params, pools, last_tokens, inputs) -> (pools, result, tokens)` is jitted with the KV
+pools donated (the target's, and a draft model's under speculative decoding), so XLA updates the
+pages in place. One executable exists per (tokens, sequences, blocks-per-sequence)
 bucket; `warmup()` compiles them all ahead of time, and `num_compiles` counts every compile so a
 test can prove nothing compiles after warmup (`strict_compile` turns that into an error).
 """
@@ -25,7 +26,7 @@ from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.runtime import compile_cache, distributed, logits_processing, sharding
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
-from jaxserve.runtime.speculative import verify
+from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
 from kernels import select_attention
 from models.llama import Transformer, head_weight, layout_params, lm_logits
@@ -89,9 +90,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
-                 devices: list[jax.Device] | None = None):
+                 devices: list[jax.Device] | None = None, draft: LoadedModel | None = None):
         """`devices`: the tensor_parallel_size devices this runner's model and pool live on
-        (default: the first ones; a data-parallel replica gets its own group)."""
+        (default: the first ones; a data-parallel replica gets its own group). `draft`: the
+        draft model of speculative_method="draft_model" (runtime/speculative.py)."""
         self.config = config
         self.compilation_cache_dir = compile_cache.enable(config.compilation_cache_dir)
         self.dtype = resolve_dtype(config.dtype)
@@ -108,10 +110,16 @@ class ModelRunner:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan)
-        params = jax.tree.map(lambda a: np.asarray(a, self.dtype),
-                              layout_params(params, mc.num_layers, scan))
+        as_step_params = lambda cfg, p: jax.tree.map(lambda a: np.asarray(a, self.dtype),
+                                                     layout_params(p, cfg.num_layers, scan))
+        params = as_step_params(mc, params)
+        self.draft_config = self._check_draft(config, loaded, draft)
         self.block_size = config.block_size
         per_block = bytes_per_block(mc, config.block_size, self.dtype)
+        if self.draft_config is not None:  # its pool has the same blocks: they share the budget
+            self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
+                                           scan_layers=scan)
+            per_block += bytes_per_block(self.draft_config, config.block_size, self.dtype)
         # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.devices[0])
@@ -120,6 +128,11 @@ class ModelRunner:
             rep = jax.sharding.SingleDeviceSharding(self.devices[0])
             self.params = jax.device_put(params, rep)
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype, rep)
+            if self.draft_config is not None:
+                self.draft_params = jax.device_put(
+                    as_step_params(self.draft_config, draft.params), rep)
+                self.draft_kv = KVCache.create(self.draft_config, self.num_blocks,
+                                               self.block_size, self.dtype, rep)
             jit_kw = {}
         else:
             specs = sharding.param_specs(params, mc.vocab_size, tp)
@@ -128,8 +141,9 @@ class ModelRunner:
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype,
                                      kv_sharding)
             rep = sharding.named(self.mesh, sharding.P())
-            jit_kw = {"in_shardings": (sharding.named(self.mesh, specs), kv_sharding, rep, rep),
-                      "out_shardings": (kv_sharding, rep, rep)}
+            jit_kw = {"in_shardings": ((sharding.named(self.mesh, specs),), (kv_sharding,), rep,
+                                       rep),
+                      "out_shardings": ((kv_sharding,), rep, rep)}
             dev = next(d for d in self.devices if d.process_index == jax.process_index())
             logger.info("tensor parallel: mesh %s over %s; %s; per device: params %.1f MiB, "
                         "KV pool %.1f MiB (%d blocks of %d tokens)", dict(self.mesh.shape),
@@ -149,8 +163,7 @@ class ModelRunner:
         uses_host = (config.preemption_mode is PreemptionMode.SWAP
                      or config.enable_prefix_caching) and not self.multiprocess
         self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
-        self.host_pool = (HostSwapPool(mc, self.num_host_blocks, self.num_blocks,
-                                       self.block_size, self.dtype)
+        self.host_pool = (HostSwapPool(self.pools, self.num_host_blocks, self.num_blocks)
                           if self.num_host_blocks else None)
         self.buckets = config.buckets()
         # Rows' logit processing: the history holds every distinct token of a context.
@@ -166,22 +179,72 @@ class ModelRunner:
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
         self.is_warm = False
 
-    def _step(self, params, kv: KVCache, last_tokens: jax.Array, inp: StepInputs,
-              max_logprobs: int):
-        """-> (kv, sampled, this step's tokens padded to last_tokens' shape).
+    @staticmethod
+    def _check_draft(config: EngineConfig, loaded: LoadedModel,
+                     draft: LoadedModel | None):
+        """The draft model's config, after checking it can propose for this target."""
+        if config.speculative_method != "draft_model":
+            return None
+        if draft is None:
+            raise ValueError("speculative_method='draft_model' needs the draft model "
+                             "(speculative_model)")
+        if config.tensor_parallel_size > 1:
+            raise ValueError("speculative_method='draft_model' runs with "
+                             "tensor_parallel_size=1 only; use 'ngram' under tensor parallelism")
+        if draft.config.vocab_size != loaded.config.vocab_size:
+            raise ValueError(
+                f"speculative_model: its vocabulary has {draft.config.vocab_size} tokens and "
+                f"the target's {loaded.config.vocab_size}; a draft model must share the "
+                f"target's tokenizer")
+        return draft.config
 
+    @property
+    def pools(self) -> tuple[KVCache, ...]:
+        """The device KV pools: the target's, then the draft model's if there is one."""
+        return (self.kv,) if self.draft_config is None else (self.kv, self.draft_kv)
+
+    @pools.setter
+    def pools(self, pools: tuple[KVCache, ...]) -> None:
+        self.kv = pools[0]
+        if self.draft_config is not None:
+            self.draft_kv = pools[1]
+
+    @property
+    def step_params(self) -> tuple:
+        return ((self.params,) if self.draft_config is None
+                else (self.params, self.draft_params))
+
+    def _step(self, params: tuple, pools: tuple[KVCache, ...], last_tokens: jax.Array,
+              inp: StepInputs, max_logprobs: int):
+        """-> (pools, sampled, this step's tokens padded to last_tokens' shape).
+
+        `params`, `pools`: the target's, then the draft model's if speculation has one.
         last_tokens (max seq bucket,) int32: the previous step's sampled tokens, still on the
         device; rows with prev_rows >= 0 take their input token from there, which lets the
         host build this step before the previous one's tokens are read back."""
         spec_k = inp.spec.draft_tokens.shape[1]  # speculative decoding's K (0: off)
+        (params, *draft_params), kv = params, pools[0]
+        ids = jnp.where(inp.prev_rows >= 0, last_tokens[jnp.maximum(inp.prev_rows, 0)],
+                        inp.input_ids)
+        if len(pools) > 1:  # a draft model proposes the speculating rows' tokens
+            with jax.named_scope("draft"):
+                run_draft = functools.partial(self._run_draft, draft_params[0])
+                draft_kv, drafts = jax.lax.cond(
+                    jnp.any(inp.spec.num_drafts > 0),
+                    lambda kv: draft_proposals(run_draft, kv, ids, inp.attn, inp.spec),
+                    lambda kv: (kv, inp.spec.draft_tokens), pools[1])
+                ids = fill_proposals(ids, drafts, inp.spec)
+                inp = dataclasses.replace(
+                    inp, spec=dataclasses.replace(inp.spec, draft_tokens=drafts))
+                # its cache follows the target's: every row's K/V, from the same tokens
+                draft_kv, _ = run_draft(draft_kv, ids, inp.attn, False)
+            pools = (None, draft_kv)
         with jax.named_scope("forward"):
-            ids = jnp.where(inp.prev_rows >= 0, last_tokens[jnp.maximum(inp.prev_rows, 0)],
-                            inp.input_ids)
             # (with speculation the head runs below, over the rows each step needs)
             k, v, logits, hidden = self.model.apply({"params": params}, ids, kv.k, kv.v,
                                                     inp.attn,
                                                     None if spec_k else inp.logits_indices)
-            kv = KVCache(k, v)
+            pools = (KVCache(k, v), *pools[1:])
         head = head_weight(self.model_config, params)
 
         def head_logits(x):
@@ -208,7 +271,14 @@ class ModelRunner:
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.num_tokens - 1, 0)[:, None],
                                    axis=1)[:, 0]
         next_tokens = jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
-        return kv, StepResult(out, prompt), next_tokens
+        return pools, StepResult(out, prompt), next_tokens
+
+    def _run_draft(self, params, kv: KVCache, ids: jax.Array, md, want_logits: bool):
+        """The draft model over rows `ids` (runtime/speculative.py's DraftFn)."""
+        k, v, _, hidden = self.draft_model.apply({"params": params}, ids, kv.k, kv.v, md, None)
+        logits = (lm_logits(self.draft_config, hidden, head_weight(self.draft_config, params))
+                  if want_logits else None)
+        return KVCache(k, v), logits
 
     @staticmethod
     def _sample_or_verify(hidden, head_logits, sample_rows, inp: StepInputs,
@@ -255,7 +325,7 @@ class ModelRunner:
                                  self.config.spec_tokens)
 
     def _lower(self, bucket: tuple[int, int, int]) -> jax.stages.Lowered:
-        return self._jitted.lower(self.params, self.kv, self._last_tokens,
+        return self._jitted.lower(self.step_params, self.pools, self._last_tokens,
                                   self._dummy_inputs(bucket))
 
     def _compile(self, bucket: tuple[int, int, int]) -> jax.stages.Compiled:
@@ -283,7 +353,7 @@ class ModelRunner:
         self.num_compiles += len(todo)
         self.compile_seconds += time.perf_counter() - t0
         if self.host_pool is not None:
-            self.kv = self.host_pool.warmup(self.kv)
+            self.pools = self.host_pool.warmup(self.pools)
         self.is_warm = True
         dt = time.perf_counter() - t0
         logger.info("warmup: %d programs in %.1fs", len(self._executables), dt)
@@ -292,10 +362,10 @@ class ModelRunner:
     # ----------------------------------------------------------------------------------- swap
 
     def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
-        self.host_pool.swap_out(self.kv, device_ids, host_ids)
+        self.host_pool.swap_out(self.pools, device_ids, host_ids)
 
     def swap_in(self, device_ids: list[int], host_ids: list[int]) -> None:
-        self.kv = self.host_pool.swap_in(self.kv, device_ids, host_ids)
+        self.pools = self.host_pool.swap_in(self.pools, device_ids, host_ids)
 
     def flush_host_copies(self) -> None:
         if self.host_pool is not None:
@@ -317,7 +387,8 @@ class ModelRunner:
         exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
         if not inp.processing.active:  # the unused arrays stay on the device: none to copy
             inp = dataclasses.replace(inp, processing=self._unused_processing(inp.bucket[1]))
-        self.kv, out, self._last_tokens = exe(self.params, self.kv, self._last_tokens, inp)
+        self.pools, out, self._last_tokens = exe(self.step_params, self.pools,
+                                                 self._last_tokens, inp)
         return out
 
     def fetch(self, step: StepResult, want_logprobs: bool,

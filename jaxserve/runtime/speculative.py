@@ -13,15 +13,25 @@ checks every proposal and adds one token of the target's own:
 After a_s accepted proposals row s yields a_s + 1 tokens. p_j is what plain sampling draws
 from (temperature, top-k, top-p, min_p), and each position draws from its own key (the
 request's seed and the token's index in its output), as plain sampling does.
+
+**Draft model.** With `speculative_method="draft_model"` the host only says how many tokens each
+row proposes; `draft_proposals` makes them in the same program, before the target's forward:
+the draft model runs k times over one row per sequence (its last token, then each proposal in
+turn) and proposes its argmax, so the proposal is again a single token per position and the
+rule above keeps the target's distribution. The draft has its own KV pool with the target's
+block ids: after the target's forward it runs once more over the step's rows (`mirror`), so
+its cache holds K/V for every position the target's does, from the same tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.runtime.kv_cache import KVCache
 from jaxserve.runtime.sampling import (
     SamplerOutput,
     SamplingInputs,
@@ -29,6 +39,12 @@ from jaxserve.runtime.sampling import (
     row_keys,
     sampling_logits,
 )
+from kernels.metadata import AttentionMetadata
+
+# (draft kv, input ids (R,), metadata of R rows, want logits) -> (draft kv, logits (R, V)
+# float32, or None when not wanted)
+DraftFn = Callable[[KVCache, jax.Array, AttentionMetadata, bool],
+                   tuple[KVCache, jax.Array | None]]
 
 
 @jax.tree_util.register_dataclass
@@ -85,3 +101,43 @@ def verify(logits: jax.Array, raw: jax.Array, spec: SpecInputs, si: SamplingInpu
                          top_ids.reshape(s, k1, max_logprobs),
                          top_lp.reshape(s, k1, max_logprobs))
 
+
+
+def draft_proposals(run_draft: DraftFn, kv: KVCache, ids: jax.Array, md: AttentionMetadata,
+                    spec: SpecInputs) -> tuple[KVCache, jax.Array]:
+    """The draft model's greedy proposals for the step's rows: (draft kv, (S, K) int32).
+
+    `ids` (T,): the step's input tokens (proposal rows not yet filled); `md`: the target's
+    metadata. Pass j feeds each sequence's query row j (its last token when j = 0, else the
+    draft's previous proposal) at that row's position and slot, and proposes from its logits.
+    Rows of sequences that propose fewer than j + 1 tokens write nothing (their slot is out
+    of range), and what they propose is dropped."""
+    s, k1 = spec.verify_rows.shape
+    drop_slot = kv.k.shape[1] * kv.k.shape[2]  # past the pool: the write is dropped
+
+    def one_pass(j, carry):
+        kv, tokens, drafts = carry
+        rows = spec.verify_rows[:, j]
+        active = j < spec.num_drafts
+        positions = md.positions[rows]
+        row_md = AttentionMetadata(
+            positions=positions, token_seq=jnp.arange(s, dtype=jnp.int32),
+            slot_mapping=jnp.where(active, md.slot_mapping[rows], drop_slot),
+            block_tables=md.block_tables, context_lens=jnp.where(active, positions + 1, 0),
+            query_start_loc=jnp.arange(s + 1, dtype=jnp.int32))
+        kv, logits = run_draft(kv, tokens, row_md, True)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return kv, tokens, drafts.at[:, j].set(jnp.where(active, tokens, 0))
+
+    first = ids[spec.verify_rows[:, 0]]
+    kv, _, drafts = jax.lax.fori_loop(0, k1 - 1, one_pass,
+                                      (kv, first, jnp.zeros((s, k1 - 1), jnp.int32)))
+    return kv, drafts
+
+
+def fill_proposals(ids: jax.Array, drafts: jax.Array, spec: SpecInputs) -> jax.Array:
+    """The step's input tokens with each proposal row holding its proposed token."""
+    k = drafts.shape[1]
+    real = jnp.arange(k)[None, :] < spec.num_drafts[:, None]  # (S, K)
+    rows = jnp.where(real, spec.verify_rows[:, 1:], ids.shape[0])  # padding: past the end
+    return ids.at[rows.reshape(-1)].set(drafts.reshape(-1), mode="drop")

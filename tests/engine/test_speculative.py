@@ -67,6 +67,35 @@ def test_greedy_tokens_are_the_same_with_speculation(tiny_models, kw):
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(num_kv_blocks=14, preemption_mode="recompute"),
+    dict(num_kv_blocks=14, preemption_mode="swap"),
+], ids=["chunked", "recompute", "swap"])
+def test_a_draft_model_gives_the_same_greedy_tokens(tiny_models, tmp_path, kw):
+    """The target as its own draft: every proposal is accepted, which holds only if the
+    draft's KV pool has followed the target's through chunked prefill, rejected slots,
+    preemption and swapping. Then a random draft of the same vocabulary: (almost) nothing is
+    accepted, and the tokens are the target's all the same."""
+    path, _ = tiny_models["llama"]
+    stranger = str(tmp_path / "draft")
+    make_tiny_hf_model("llama", stranger, seed=7)
+    prompts = _copying_prompts(1)
+    want = _greedy(_engine(path, **kw), prompts)
+    for draft, accepted in ((path, 1.0), (stranger, 0.2)):
+        engine = _engine(path, speculative_method="draft_model", speculative_model=draft, **kw)
+        assert _greedy(engine, prompts) == want
+        snap = engine.metrics_snapshot()
+        assert snap["spec_proposed_tokens"] > 0
+        if draft == path:
+            assert snap["spec_acceptance_rate"] == accepted
+        else:
+            assert snap["spec_acceptance_rate"] < accepted
+        if "num_kv_blocks" in kw:
+            assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_used_blocks == 0
+
+
 def test_an_abort_mid_run_leaves_the_others_exact(tiny_models):
     path, _ = tiny_models["qwen2"]
     prompts = _copying_prompts(2)
@@ -95,9 +124,12 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
     speculated ones: the first comes from the prompt's step), with and without speculation:
     a two-sample chi-square test finds no difference, and proposals were both accepted and
     rejected. The prompt ends with the model's own greedy continuation, so that lookup finds
-    proposals it sometimes agrees with."""
-    path = str(tmp_path / "m")
+    proposals it sometimes agrees with. The same for a draft model's proposals."""
+    path, draft = str(tmp_path / "m"), str(tmp_path / "draft")
     make_tiny_hf_model("llama", path, seed=4, vocab_size=24, initializer_range=0.6)
+    # a draft that agrees with the target only sometimes: its proposals (the draft's argmax)
+    # are accepted at some positions and rejected at others
+    make_tiny_hf_model("llama", draft, seed=9, vocab_size=24, initializer_range=0.6)
     base = list(range(3, 24))
     prompt = base + _greedy(_engine(path), [base], 30)["r0"]
     waves, size = 32, 64
@@ -114,19 +146,20 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
         return got, engine
 
     plain, _ = samples()
-    spec, engine = samples(speculative_method="ngram", num_speculative_tokens=2,
-                           prompt_lookup_min=1, speculative_adaptive=False)
-    snap = engine.metrics_snapshot()
-    assert 0 < snap["spec_accepted_tokens"] < snap["spec_proposed_tokens"]
-    assert snap["spec_verify_rows"] > waves * size // 2
-    for pick in (lambda t: t[0], lambda t: t):  # the second token, and the pair
-        a, b = [pick(t) for t in plain], [pick(t) for t in spec]
-        cells = sorted(set(a) | set(b))
-        table = np.array([[a.count(c) for c in cells], [b.count(c) for c in cells]])
-        keep = table.sum(0) >= 10  # sparse cells pooled
-        table = np.column_stack([table[:, keep], table[:, ~keep].sum(1)])
-        table = table[:, table.sum(0) > 0]
-        assert stats.chi2_contingency(table).pvalue > 1e-3, table
+    for method in (dict(speculative_method="ngram", prompt_lookup_min=1),
+                   dict(speculative_method="draft_model", speculative_model=draft)):
+        spec, engine = samples(num_speculative_tokens=2, speculative_adaptive=False, **method)
+        snap = engine.metrics_snapshot()
+        assert 0 < snap["spec_accepted_tokens"] < snap["spec_proposed_tokens"]
+        assert snap["spec_verify_rows"] > waves * size // 2
+        for pick in (lambda t: t[0], lambda t: t):  # the second token, and the pair
+            a, b = [pick(t) for t in plain], [pick(t) for t in spec]
+            cells = sorted(set(a) | set(b))
+            table = np.array([[a.count(c) for c in cells], [b.count(c) for c in cells]])
+            keep = table.sum(0) >= 10  # sparse cells pooled
+            table = np.column_stack([table[:, keep], table[:, ~keep].sum(1)])
+            table = table[:, table.sum(0) > 0]
+            assert stats.chi2_contingency(table).pvalue > 1e-3, (method, table)
 
 
 def test_speculation_is_checked():
@@ -136,3 +169,18 @@ def test_speculation_is_checked():
         EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(prompt_lookup_min=5, prompt_lookup_max=3)
+    for kw in (dict(speculative_method="draft_model"),
+               dict(speculative_method="ngram", speculative_model="draft")):
+        with pytest.raises(ValueError, match="speculative_model"):
+            EngineConfig(**kw)
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_models, tmp_path):
+    path, _ = tiny_models["llama"]
+    draft = str(tmp_path / "draft")
+    make_tiny_hf_model("llama", draft, seed=1, vocab_size=100)
+    with pytest.raises(ValueError, match="speculative_model: its vocabulary has 100 tokens"):
+        _engine(path, speculative_method="draft_model", speculative_model=draft)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        _engine(path, speculative_method="draft_model", speculative_model=path,
+                tensor_parallel_size=2)

@@ -47,21 +47,28 @@ def run_staggered(engine: LLMEngine, prompt_ids: list[list[int]], params: Sampli
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling, spec", [(False, None), (True, None),
-                                                    (False, "ngram")])
-def test_smollm_matches_hf_greedy(smollm, hf_smollm, async_scheduling, spec):
+                                                    (False, "ngram"), (False, "draft_model")])
+def test_smollm_matches_hf_greedy(smollm, hf_smollm, async_scheduling, spec, request):
+    """... and with speculation: n-gram proposals, or a tiny random draft model's (which are
+    almost never accepted: the target's own tokens must come out all the same)."""
     tok = smollm.tokenizer
     ids = [tok(p).input_ids for p in PROMPTS]
+    draft = (request.getfixturevalue("tiny_draft_for_smollm") if spec == "draft_model"
+             else None)
     engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                                     num_kv_blocks=128, async_scheduling=async_scheduling,
-                                    speculative_method=spec, speculative_adaptive=False),
+                                    speculative_method=spec, speculative_model=draft,
+                                    speculative_adaptive=False),
                        loaded=smollm)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     # Arrivals at different steps, with a 64-token budget so prefills chunk and mix with decodes.
     got = run_staggered(engine, ids, params, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
     engine.block_manager.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    if spec:  # the verification ran, and kept some proposals
+    if spec == "ngram":  # the verification ran, and kept some proposals
         assert engine.metrics_snapshot()["spec_accepted_tokens"] > 0
+    if spec == "draft_model":  # every step proposed; what was kept is the target's choice
+        assert engine.metrics_snapshot()["spec_proposed_tokens"] > 4 * NEW_TOKENS
     for i, prompt_ids in enumerate(ids):
         want = hf_greedy(hf_smollm, prompt_ids, NEW_TOKENS)
         assert got[f"r{i}"] == want, f"prompt {i} ({PROMPTS[i]!r}) differs from HF"
