@@ -168,7 +168,8 @@ def time_engine(dry_run: bool) -> list[dict]:
                                     np.zeros(b, np.int32), np.zeros(b, np.uint32),
                                     np.zeros(b, np.int32), np.ones(b, bool), np.bool_(False)),
             processing=runner.logits_shape.unused(b),
-            spec=empty_spec_inputs(b, runner.config.spec_tokens))
+            spec=empty_spec_inputs(b, runner.config.spec_tokens,
+                                   runner.logits_shape.mask_words))
         dt = timed(lambda inp=inp, runner=runner: runner.execute(inp).token_ids,
                    3 if dry_run else 20)
         rows.append({"batch": b, "context": ctx, "dtype": dtype, "backend":

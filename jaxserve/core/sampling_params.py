@@ -100,6 +100,13 @@ class SamplingParams:
                 or self.structured_outputs is not None)
 
     @property
+    def grammar_only(self) -> bool:
+        """Is a grammar (structured output) all its logit processing?"""
+        return (self.structured_outputs is not None and not self.penalized
+                and not self.bad_words and self.min_tokens == 0 and not self.logit_bias
+                and self.allowed_token_ids is None)
+
+    @property
     def processes_logits(self) -> bool:
         return (self.needs_history or bool(self.logit_bias)
                 or self.allowed_token_ids is not None)

@@ -82,6 +82,7 @@ class SpecStats:
     num_accepted: int = 0
     num_spec_steps: int = 0  # steps with at least one proposal
     num_spec_rows: int = 0  # sequence rows that verified a proposal
+    num_cut_by_grammar: int = 0  # proposed tokens a grammar refused before they ran
 
     @property
     def acceptance_rate(self) -> float:
@@ -173,12 +174,17 @@ class Speculator:
         self.proposer = proposer
         self.policy = policy
         self.stats = SpecStats()
+        # A grammar can check proposals made on the host (cut at the first token it refuses,
+        # then a mask per position); a draft model's are made on the device, unseen.
+        self.checks_grammar = isinstance(proposer, NgramProposer)
 
-    @staticmethod
-    def eligible(seq) -> bool:
+    def eligible(self, seq) -> bool:
         """Its tokens are all on the host (a proposal continues them) and its logits are not
-        processed (penalties, masks and grammars hold for one position at a time)."""
-        return not seq.num_pending and not seq.params.processes_logits
+        processed (penalties, bias and token masks hold for one position at a time), or only
+        by a grammar that can check the proposal."""
+        p = seq.params
+        return not seq.num_pending and (not p.processes_logits
+                                        or (self.checks_grammar and p.grammar_only))
 
     def plan(self, seqs: list, other_tokens: int, budget: int,
              max_model_len: int) -> dict[str, list[int]]:
@@ -192,6 +198,10 @@ class Speculator:
             room = min(k, seq.params.max_tokens - seq.num_sampled - 1,
                        max_model_len - seq.num_tokens)
             drafts = self.proposer.propose(seq.prompt_token_ids + seq.output_token_ids, room)
+            if drafts and seq.logits_state is not None:  # proposals the grammar refuses go
+                valid = seq.logits_state.valid_prefix(drafts)
+                self.stats.num_cut_by_grammar += len(drafts) - valid
+                drafts = drafts[:valid]
             if drafts:
                 plans[seq.request_id] = drafts
         return plans

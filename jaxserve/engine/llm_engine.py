@@ -544,7 +544,8 @@ class LLMEngine:
                 "spec_verify_rows": st.num_spec_rows,  # sequence rows that verified
                 "spec_emitted_tokens": st.num_accepted + st.num_spec_rows,  # by those rows
                 "spec_mean_accepted_length": st.mean_accepted_length,  # their tokens per row
-                "spec_steps": st.num_spec_steps}
+                "spec_steps": st.num_spec_steps,
+                "spec_cut_by_grammar_tokens": st.num_cut_by_grammar}
 
     def _output(self, u: SeqUpdate) -> RequestOutput:
         seq = u.seq

@@ -28,6 +28,17 @@ def clear_bits(row: np.ndarray, token_ids) -> None:
         words[t // 32] &= ~np.uint32(1 << (t % 32))
 
 
+def _grammar_executor():
+    """llguidance's thread pool, made at the first use."""
+    global _executor
+    import llguidance
+
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+    return _executor
+
+
 class LogitsState:
     """Built once per request (LLMEngine.add_request) when its params process the logits.
 
@@ -98,15 +109,31 @@ class LogitsState:
         """Write the grammar masks of `rows` ((row index, Sequence) whose state has a
         matcher) into their rows of the step's `mask`, all at once on llguidance's threads
         (which do not hold the GIL)."""
-        global _executor
-        import llguidance
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        with _executor_lock:
-            if _executor is None:
-                _executor = llguidance.LLExecutor()
-        fill_next_token_bitmask_par(_executor, [(seq.logits_state.matcher, i)
-                                                for i, seq in rows], mask)
+        fill_next_token_bitmask_par(_grammar_executor(), [(seq.logits_state.matcher, i)
+                                                          for i, seq in rows], mask)
+
+    @staticmethod
+    def fill_proposal_masks(rows, mask: np.ndarray) -> None:
+        """Speculative decoding: for each (row index, Sequence, proposed tokens) of `rows`,
+        whose grammar is its only processing, write into mask[row, j] its grammar's mask
+        after the first j + 1 proposals (the proposal's position j + 1). llguidance makes the
+        masks of every position at once, from the current one, on its threads."""
+        from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens
+
+        k1 = mask.shape[1] + 1
+        scratch = np.zeros((len(rows) * k1, mask.shape[2]), np.int32)
+        fill_next_token_bitmask_par_with_draft_tokens(
+            _grammar_executor(),
+            [(seq.logits_state.matcher, n * k1, list(drafts))
+             for n, (_, seq, drafts) in enumerate(rows)], scratch)
+        for n, (i, _, drafts) in enumerate(rows):
+            mask[i, :len(drafts)] = scratch[n * k1 + 1:n * k1 + 1 + len(drafts)]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from its current state."""
+        return len(tokens) if self.matcher is None else self.matcher.validate_tokens(tokens)
 
     def fill_mask(self, seq, row: np.ndarray) -> None:
         """Narrow row `row` of the step's mask (its grammar's mask, or all allowed) to what

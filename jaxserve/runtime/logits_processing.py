@@ -105,8 +105,13 @@ def apply(logits: jax.Array, li: LogitsInputs) -> jax.Array:
         pen = pen - frequency * li.hist_counts - presence * (li.hist_counts > 0)
         logits = logits.at[rows, li.hist_ids].set(pen, mode="drop")
         logits = logits.at[rows, li.bias_ids].add(li.bias, mode="drop")
-        ids = jnp.arange(v)
-        allowed = (li.mask[:, ids // 32] >> (ids % 32)) & 1
-        return jnp.where(allowed.astype(bool), logits, -jnp.inf)
+        return masked(logits, li.mask)
 
     return jax.lax.cond(li.active, process, lambda x: x, logits)
+
+
+def masked(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """(..., V) logits with the tokens a (..., W) bit mask disallows set to -inf."""
+    ids = jnp.arange(logits.shape[-1])
+    allowed = (mask[..., ids // 32] >> (ids % 32)) & 1
+    return jnp.where(allowed.astype(bool), logits, -jnp.inf)

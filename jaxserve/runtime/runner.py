@@ -300,10 +300,13 @@ class ModelRunner:
             else:
                 raw = head_logits(hidden[rows])
             raw = raw.reshape(s, k1, -1)
-            # A row without proposals verifies only its last row, and processes its logits as
-            # always (a row that processes them never proposes).
+            # Position 0 processes its logits as always; a row that proposes processes none
+            # but a grammar's mask, which the host made for every position of its proposal.
             first = logits_processing.apply(raw[:, 0], inp.processing)
-            return verify(raw.at[:, 0].set(first), raw, spec, inp.sampling, max_logprobs,
+            rest = jax.lax.cond(spec.masked, logits_processing.masked, lambda x, _: x,
+                                raw[:, 1:], spec.mask)
+            processed = jnp.concatenate([first[:, None], rest], axis=1)
+            return verify(processed, raw, spec, inp.sampling, max_logprobs,
                           inp.processing.min_p)
 
         return jax.lax.cond(jnp.any(spec.num_drafts > 0), verify_step, plain)

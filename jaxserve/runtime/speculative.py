@@ -53,6 +53,10 @@ class SpecInputs:
     draft_tokens: jax.Array  # (S, K) int32: each row's proposal (padding: 0)
     num_drafts: jax.Array  # (S,) int32: how many of its K are real (0: a plain row)
     verify_rows: jax.Array  # (S, K + 1) int32: its query rows, the last one repeated
+    # (S, K, W) int32: a grammar's token mask at positions 1..K, after the proposals before
+    # them (structured output; all bits set for other rows), and () bool: some row has one
+    mask: jax.Array
+    masked: jax.Array
 
 
 def verify(logits: jax.Array, raw: jax.Array, spec: SpecInputs, si: SamplingInputs,

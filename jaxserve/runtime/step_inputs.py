@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -108,7 +109,8 @@ def build_step_inputs(
                                  + pos % block_size)
     ids: list[int] = []
     from_prev = np.full(t_pad, -1, np.int32)
-    spec = empty_spec_inputs(s_pad, spec_k)
+    spec = empty_spec_inputs(s_pad, spec_k, logits_shape.mask_words)
+    constrained_drafts = []  # (row, sequence, proposals) whose grammar masks the proposals
     spec.verify_rows[:num_seqs] = logits_indices[:num_seqs, None]  # a row without proposals
     for i, s in enumerate(scheduled):
         if s.num_tokens == 1 or s.drafts:  # a decode: its last token, then any proposals
@@ -123,9 +125,15 @@ def build_step_inputs(
                 spec.draft_tokens[i, :nd] = s.drafts
                 spec.num_drafts[i] = nd
                 spec.verify_rows[i] = qsl[i] + np.minimum(np.arange(spec_k + 1), nd)
+                if s.seq.logits_state is not None:  # a grammar's (the only processing)
+                    constrained_drafts.append((i, s.seq, s.drafts))
         else:  # a prompt chunk (or a recompute): every token is on the host
             ids.extend(s.seq.tokens(s.start, s.start + s.num_tokens))
     input_ids[:num_tokens] = ids
+    if constrained_drafts:
+        mask = np.full(spec.mask.shape, -1, np.int32)
+        constrained_drafts[0][1].logits_state.fill_proposal_masks(constrained_drafts, mask)
+        spec = dataclasses.replace(spec, mask=mask, masked=np.bool_(True))
     prompt_targets = np.full(t_pad, -1, np.int32)
     for r in prompt_rows(scheduled):
         prompt_targets[r.row:r.row + r.count] = r.seq.prompt_token_ids[r.first:r.first + r.count]
@@ -156,10 +164,20 @@ def build_step_inputs(
     )
 
 
-def empty_spec_inputs(s: int, k: int) -> SpecInputs:
+def empty_spec_inputs(s: int, k: int, mask_words: int) -> SpecInputs:
     """No proposals: each row verifies only its own last row."""
     return SpecInputs(draft_tokens=np.zeros((s, k), np.int32), num_drafts=np.zeros(s, np.int32),
-                      verify_rows=np.zeros((s, k + 1), np.int32))
+                      verify_rows=np.zeros((s, k + 1), np.int32),
+                      mask=_all_allowed(s, k, mask_words), masked=np.bool_(False))
+
+
+@functools.lru_cache(maxsize=32)
+def _all_allowed(s: int, k: int, mask_words: int) -> np.ndarray:
+    """A proposal mask that allows everything, shared by every step of its shape (read-only:
+    a step that needs masks makes its own)."""
+    mask = np.full((s, k, mask_words), -1, np.int32)
+    mask.flags.writeable = False
+    return mask
 
 
 def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
@@ -180,5 +198,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                                 seeds=np.zeros(s, np.uint32), steps=i32(s),
                                 samples=np.zeros(s, bool), want_logprobs=np.bool_(False)),
         processing=logits_shape.unused(s),
-        spec=empty_spec_inputs(s, spec_k),
+        spec=empty_spec_inputs(s, spec_k, logits_shape.mask_words),
     )

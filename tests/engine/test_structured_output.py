@@ -126,3 +126,30 @@ def test_async_scheduling_gives_the_same_tokens(smollm):
         got[mode] = [o.token_ids for o in _generate(_engine(smollm, async_scheduling=mode),
                                                    reqs)]
     assert got[True] == got[False]
+
+
+def test_speculation_under_a_grammar(smollm):
+    """n-gram proposals for constrained requests: the grammar cuts each proposal at the first
+    token it refuses, and every verified position is masked by the grammar's state after the
+    proposals before it. Greedy tokens are those without speculation; sampled outputs still
+    validate; proposals were made, accepted and cut."""
+    reqs = [(_prompt(smollm, f"Describe {TOPICS[i]} as JSON, with tags."),
+             SamplingParams(temperature=0 if i < 6 else 0.9, seed=i, max_tokens=96,
+                            structured_outputs={"json": SCHEMA})) for i in range(9)]
+    reqs.append((_prompt(smollm, "Is the sky green? Answer yes or no, then again."),
+                 SamplingParams(temperature=0, max_tokens=20, structured_outputs={
+                     "regex": r"(yes|no), (yes|no), (yes|no)\."})))
+    plain = _generate(_engine(smollm), reqs)
+    # one-token matches too: more proposals, more of them for the grammar to cut
+    engine = _engine(smollm, speculative_method="ngram", speculative_adaptive=False,
+                     prompt_lookup_min=1)
+    spec = _generate(engine, reqs)
+    greedy = [i for i, (_, p) in enumerate(reqs) if p.temperature == 0]
+    assert [spec[i].token_ids for i in greedy] == [plain[i].token_ids for i in greedy]
+    for out in spec[:9]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert re.fullmatch(r"(yes|no), (yes|no), (yes|no)\.", spec[9].text)
+    snap = engine.metrics_snapshot()
+    assert snap["spec_accepted_tokens"] > 0
+    assert snap["spec_cut_by_grammar_tokens"] > 0

@@ -21,7 +21,8 @@ def _inputs(n: int, temperature: float, seeds, drafts, num_drafts, k: int):
                         samples=np.ones(n, bool), want_logprobs=np.bool_(True))
     spec = SpecInputs(draft_tokens=np.asarray(drafts, np.int32).reshape(n, k),
                       num_drafts=np.asarray(num_drafts, np.int32),
-                      verify_rows=np.zeros((n, k + 1), np.int32))
+                      verify_rows=np.zeros((n, k + 1), np.int32),
+                      mask=np.full((n, k, 1), -1, np.int32), masked=np.bool_(False))
     return si, spec
 
 
