@@ -10,12 +10,12 @@ inputs (`multihost_utils.broadcast_one_to_all`, itself a collective over the sam
 and the followers run the same compiled step on their shards. Nothing a follower does depends
 on timing, arrivals or the host's clock, so the processes cannot drift apart.
 
-Each broadcast is a fixed header (the op and the step's bucket), then, for a step, the
-StepInputs, whose shapes the bucket fixes. While the leader has no work it broadcasts a no-op
-every second, so a follower waiting for the next step notices a leader that died, and the
-leader notices a follower that died. Either way the collective fails at once (gloo sees the
-peer's sockets close) and the survivor exits with a message that says so (`fatal`), instead
-of waiting on a peer that will never answer.
+Each broadcast is a fixed header (the op and the step's program: its bucket and proposal
+slots), then, for a step, the StepInputs, whose shapes the program fixes. While the leader has
+no work it broadcasts a no-op every second, so a follower waiting for the next step notices a
+leader that died, and the leader notices a follower that died. Either way the collective fails
+at once (gloo sees the peer's sockets close) and the survivor exits with a message that says so
+(`fatal`), instead of waiting on a peer that will never answer.
 
 Not available across processes: the host pool (swap preemption and the prefix cache's host
 tier need the whole pool readable from one process) and data-parallel replicas.
@@ -116,22 +116,22 @@ class StepBroadcast:
     """The leader's steps, delivered to every follower in order."""
 
     def __init__(self, dummy_inputs):
-        """`dummy_inputs(bucket)`: a StepInputs of the bucket's shapes (values unused)."""
+        """`dummy_inputs(program)`: a StepInputs of the program's shapes (values unused)."""
         from jax.experimental import multihost_utils
 
         self._broadcast = multihost_utils.broadcast_one_to_all
         self._dummy = dummy_inputs
         self._last = time.monotonic()
 
-    def _send_header(self, op: int, bucket=(0, 0, 0), processed: bool = False) -> None:
-        self._broadcast(np.asarray([op, *bucket, processed], np.int32))
+    def _send_header(self, op: int, program=(0, 0, 0, 0), processed: bool = False) -> None:
+        self._broadcast(np.asarray([op, *program, processed], np.int32))
         self._last = time.monotonic()
 
     def send_step(self, inp) -> None:
         """The step's inputs; its logit-processing arrays only when a row uses them (the
         followers know the unused ones)."""
         processed = bool(inp.processing.active)
-        self._send_header(STEP, inp.bucket, processed)
+        self._send_header(STEP, inp.program, processed)
         self._broadcast(inp if processed else dataclasses.replace(inp, processing=None))
 
     def send(self, op: int) -> None:
@@ -143,10 +143,10 @@ class StepBroadcast:
 
     def receive(self):
         """-> (op, StepInputs or None): what the leader sent next (a follower blocks here)."""
-        op, t, s, b, processed = self._broadcast(np.zeros(5, np.int32)).tolist()
+        op, t, s, b, k, processed = self._broadcast(np.zeros(6, np.int32)).tolist()
         if op != STEP:
             return op, None
-        template = self._dummy((t, s, b))
+        template = self._dummy((t, s, b, k))
         if processed:
             return op, self._broadcast(template)
         got = self._broadcast(dataclasses.replace(template, processing=None))

@@ -2,8 +2,9 @@
 
 `step(params, pools, last_tokens, inputs) -> (pools, result, tokens)` is jitted with the KV
 pools donated (the target's, and a draft model's under speculative decoding), so XLA updates the
-pages in place. One executable exists per (tokens, sequences, blocks-per-sequence)
-bucket; `warmup()` compiles them all ahead of time, and `num_compiles` counts every compile so a
+pages in place. One executable exists per (tokens, sequences, blocks-per-sequence) bucket and,
+under speculative decoding, per K in {0, num_speculative_tokens} (the proposal slots per row);
+`warmup()` compiles them all ahead of time, and `num_compiles` counts every compile so a
 test can prove nothing compiles after warmup (`strict_compile` turns that into an error).
 """
 
@@ -174,7 +175,7 @@ class ModelRunner:
         self._replicated = rep  # where the step's small inputs live
         self._unused: dict[int, logits_processing.LogitsInputs] = {}
         self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
-        self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self._executables: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
         self.is_warm = False
@@ -229,13 +230,13 @@ class ModelRunner:
         if len(pools) > 1:  # a draft model proposes the speculating rows' tokens
             with jax.named_scope("draft"):
                 run_draft = functools.partial(self._run_draft, draft_params[0])
-                draft_kv, drafts = jax.lax.cond(
-                    jnp.any(inp.spec.num_drafts > 0),
-                    lambda kv: draft_proposals(run_draft, kv, ids, inp.attn, inp.spec),
-                    lambda kv: (kv, inp.spec.draft_tokens), pools[1])
-                ids = fill_proposals(ids, drafts, inp.spec)
-                inp = dataclasses.replace(
-                    inp, spec=dataclasses.replace(inp.spec, draft_tokens=drafts))
+                draft_kv = pools[1]
+                if spec_k:
+                    draft_kv, drafts = draft_proposals(run_draft, draft_kv, ids, inp.attn,
+                                                       inp.spec)
+                    ids = fill_proposals(ids, drafts, inp.spec)
+                    inp = dataclasses.replace(
+                        inp, spec=dataclasses.replace(inp.spec, draft_tokens=drafts))
                 # its cache follows the target's: every row's K/V, from the same tokens
                 draft_kv, _ = run_draft(draft_kv, ids, inp.attn, False)
             pools = (None, draft_kv)
@@ -283,33 +284,25 @@ class ModelRunner:
     @staticmethod
     def _sample_or_verify(hidden, head_logits, sample_rows, inp: StepInputs,
                           max_logprobs: int) -> SamplerOutput:
-        """A step with proposals verifies them (runtime/speculative.py); one without samples
-        as usual. Either way the output has K + 1 token slots per row."""
+        """Verify a step's proposals (runtime/speculative.py): its program has K > 0, which
+        the host gives only a step that has some. (A step without runs the plain program:
+        choosing between the two inside one program, under a lax.cond, made every step of a
+        small batch ~10% slower on a CPU, measured.)"""
         spec = inp.spec
         s, k1 = spec.verify_rows.shape
-
-        def plain():
-            out = sample_rows(head_logits(hidden[inp.logits_indices]))
-            pad = lambda a: jnp.pad(a, [(0, 0), (0, k1 - 1)] + [(0, 0)] * (a.ndim - 2))
-            return jax.tree.map(lambda a: a if a.ndim == 1 else pad(a), out)
-
-        def verify_step():
-            rows = spec.verify_rows.reshape(-1)
-            if hidden.shape[0] <= rows.shape[0]:  # fewer query rows than row slots
-                raw = head_logits(hidden)[rows]
-            else:
-                raw = head_logits(hidden[rows])
-            raw = raw.reshape(s, k1, -1)
-            # Position 0 processes its logits as always; a row that proposes processes none
-            # but a grammar's mask, which the host made for every position of its proposal.
-            first = logits_processing.apply(raw[:, 0], inp.processing)
-            rest = jax.lax.cond(spec.masked, logits_processing.masked, lambda x, _: x,
-                                raw[:, 1:], spec.mask)
-            processed = jnp.concatenate([first[:, None], rest], axis=1)
-            return verify(processed, raw, spec, inp.sampling, max_logprobs,
-                          inp.processing.min_p)
-
-        return jax.lax.cond(jnp.any(spec.num_drafts > 0), verify_step, plain)
+        rows = spec.verify_rows.reshape(-1)
+        if hidden.shape[0] <= rows.shape[0]:  # fewer query rows than row slots
+            raw = head_logits(hidden)[rows]
+        else:
+            raw = head_logits(hidden[rows])
+        raw = raw.reshape(s, k1, -1)
+        # Position 0 processes its logits as always; a row that proposes processes none but a
+        # grammar's mask, which the host made for every position of its proposal.
+        first = logits_processing.apply(raw[:, 0], inp.processing)
+        rest = jax.lax.cond(spec.masked, logits_processing.masked, lambda x, _: x,
+                            raw[:, 1:], spec.mask)
+        processed = jnp.concatenate([first[:, None], rest], axis=1)
+        return verify(processed, raw, spec, inp.sampling, max_logprobs, inp.processing.min_p)
 
     # -------------------------------------------------------------------------------- compile
 
@@ -317,42 +310,49 @@ class ModelRunner:
         tok, seq, blk = self.buckets
         return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
 
+    def all_programs(self) -> list[tuple[int, int, int, int]]:
+        """(bucket, K): every bucket without proposals and, under speculation, with K."""
+        ks = sorted({0, self.config.spec_tokens})
+        return [(*b, k) for b in self.all_buckets() for k in ks]
+
     def _unused_processing(self, s: int) -> logits_processing.LogitsInputs:
         """The neutral logit-processing inputs of sequence bucket `s`, kept on the device."""
         if s not in self._unused:
             self._unused[s] = jax.device_put(self.logits_shape.unused(s), self._replicated)
         return self._unused[s]
 
-    def _dummy_inputs(self, bucket: tuple[int, int, int]) -> StepInputs:
-        return dummy_step_inputs(*bucket, self.block_size, self.num_blocks, self.logits_shape,
-                                 self.config.spec_tokens)
+    def _dummy_inputs(self, program: tuple[int, int, int, int]) -> StepInputs:
+        t, s, mb, k = program
+        return dummy_step_inputs(t, s, mb, self.block_size, self.num_blocks, self.logits_shape,
+                                 k)
 
-    def _lower(self, bucket: tuple[int, int, int]) -> jax.stages.Lowered:
+    def _lower(self, program: tuple[int, int, int, int]) -> jax.stages.Lowered:
         return self._jitted.lower(self.step_params, self.pools, self._last_tokens,
-                                  self._dummy_inputs(bucket))
+                                  self._dummy_inputs(program))
 
-    def _compile(self, bucket: tuple[int, int, int]) -> jax.stages.Compiled:
+    def _compile(self, program: tuple[int, int, int, int]) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
-            raise RecompileError(f"bucket {bucket} was not compiled at warmup")
+            raise RecompileError(f"program {program} (tokens, sequences, blocks, proposal "
+                                 f"slots) was not compiled at warmup")
         t0 = time.perf_counter()
-        exe = self._lower(bucket).compile()
+        exe = self._lower(program).compile()
         self.compile_seconds += time.perf_counter() - t0
         self.num_compiles += 1
-        self._executables[bucket] = exe
+        self._executables[program] = exe
         return exe
 
     def warmup(self) -> float:
-        """Compile every bucket; returns seconds spent.
+        """Compile every program; returns seconds spent.
 
         Tracing and lowering run one by one (they hold the GIL); XLA's compiles, or loads from
         the compilation cache, run on a thread per core, since each mostly uses one."""
         t0 = time.perf_counter()
-        todo = [b for b in self.all_buckets() if b not in self._executables]
-        lowered = [self._lower(b) for b in todo]
+        todo = [p for p in self.all_programs() if p not in self._executables]
+        lowered = [self._lower(p) for p in todo]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            for bucket, exe in zip(todo, pool.map(lambda low: low.compile(), lowered),
-                                   strict=True):
-                self._executables[bucket] = exe
+            for program, exe in zip(todo, pool.map(lambda low: low.compile(), lowered),
+                                    strict=True):
+                self._executables[program] = exe
         self.num_compiles += len(todo)
         self.compile_seconds += time.perf_counter() - t0
         if self.host_pool is not None:
@@ -387,7 +387,7 @@ class ModelRunner:
             distributed.fatal("a step", e)
 
     def _launch(self, inp: StepInputs) -> StepResult:
-        exe = self._executables.get(inp.bucket) or self._compile(inp.bucket)
+        exe = self._executables.get(inp.program) or self._compile(inp.program)
         if not inp.processing.active:  # the unused arrays stay on the device: none to copy
             inp = dataclasses.replace(inp, processing=self._unused_processing(inp.bucket[1]))
         self.pools, out, self._last_tokens = exe(self.step_params, self.pools,

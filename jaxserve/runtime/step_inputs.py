@@ -39,6 +39,12 @@ class StepInputs:
         return (self.input_ids.shape[0], self.logits_indices.shape[0],
                 self.attn.block_tables.shape[1])
 
+    @property
+    def program(self) -> tuple[int, int, int, int]:
+        """The compiled program that runs it: its bucket and K, the proposal slots per row
+        (0 in a step that verifies nothing, so such steps run the plain program)."""
+        return (*self.bucket, self.spec.draft_tokens.shape[1])
+
 
 def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
     i = bisect.bisect_left(buckets, n)
@@ -65,13 +71,15 @@ def build_step_inputs(
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
-    row may propose (speculative decoding)."""
+    row may propose (speculative decoding); a step without proposals gets K = 0."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
     t_pad = pick_bucket(tok_b, num_tokens, "tokens in step")
     s_pad = seq_bucket(seq_b, t_pad)
     mb_pad = pick_bucket(blk_b, max(len(s.seq.block_table) for s in scheduled), "blocks per seq")
+    if not any(s.drafts for s in scheduled):
+        spec_k = 0
 
     input_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)

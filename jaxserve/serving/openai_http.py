@@ -372,9 +372,10 @@ class _Api:
                                                                 "content": ""},
                                          "finish_reason": None} for i in range(params.n)]}
 
-            unscored = [body.get("prompt_logprobs") is not None]
+            unscored = body.get("prompt_logprobs") is not None
 
             def chunk(out):
+                nonlocal unscored
                 choices = []
                 for comp in _moved(out):
                     lp = self._chat_logprobs(comp, new_only=True)
@@ -384,8 +385,8 @@ class _Api:
                                         "finish_reason": comp.finish_reason})
                 if not choices:
                     return None
-                if unscored[0]:  # vLLM's prompt_logprobs, once, on the first content chunk
-                    unscored[0] = False
+                if unscored:  # vLLM's prompt_logprobs, once, on the first content chunk
+                    unscored = False
                     return base | {"choices": choices,
                                    "prompt_logprobs": self._prompt_logprobs(out)}
                 return base | {"choices": choices}

@@ -15,7 +15,7 @@ def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
                          max_model_len=192, num_kv_blocks=40, strict_compile=True)
     engine.warmup()
     compiled = engine.runner.num_compiles
-    assert compiled == len(engine.runner.all_buckets())
+    assert compiled == len(engine.runner.all_programs())
     rng = np.random.default_rng(3)
     arrivals = np.sort(rng.integers(0, 60, size=50))
     pending = list(range(50))

@@ -92,7 +92,7 @@ def test_logit_bias_allowed_and_bad_tokens_and_min_tokens(tiny_models):
     assert len(bounded.token_ids) == 6 and bounded.token_ids[5] == 2
     assert bounded.finish_reason == "stop"
     assert len(sampled.token_ids) == NEW
-    assert engine.runner.num_compiles == len(engine.runner.all_buckets())  # no new program
+    assert engine.runner.num_compiles == len(engine.runner.all_programs())  # no new program
 
 
 @pytest.mark.slow
