@@ -19,8 +19,9 @@ row proposes; `draft_proposals` makes them in the same program, before the targe
 the draft model runs k times over one row per sequence (its last token, then each proposal in
 turn) and proposes its argmax, so the proposal is again a single token per position and the
 rule above keeps the target's distribution. The draft has its own KV pool with the target's
-block ids: after the target's forward it runs once more over the step's rows (`mirror`), so
-its cache holds K/V for every position the target's does, from the same tokens.
+block ids: in every step (with proposals or not) it also runs once over the step's rows with
+their final tokens, so its cache holds K/V for every position the target's does, from the same
+tokens.
 """
 
 from __future__ import annotations
