@@ -19,6 +19,13 @@ def _engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**(args | kw)))
 
 
+def _spec_engine(path, method: str, **kw) -> LLMEngine:
+    """Speculating at the most tokens every step: the load-adaptive choice of k follows
+    measured step times (tests/core covers it with given times), and a test of exactness must
+    not depend on how fast the machine happens to be."""
+    return _engine(path, speculative_method=method, speculative_adaptive=False, **kw)
+
+
 def _copying_prompts(seed: int) -> list[list[int]]:
     """Prompts with repeated spans, so that prompt lookup finds something to propose."""
     rng = np.random.default_rng(seed)
@@ -49,14 +56,14 @@ def _greedy(engine: LLMEngine, prompts, max_tokens=40, abort_at: int | None = No
     dict(),  # plenty of blocks; prompts chunked (32-token budget)
     dict(num_kv_blocks=14, preemption_mode="recompute"),
     dict(num_kv_blocks=14, preemption_mode="swap"),
-    dict(enable_prefix_caching=False, speculative_adaptive=False),
+    dict(enable_prefix_caching=False),
     dict(tensor_parallel_size=2),
-], ids=["chunked", "recompute", "swap", "fixed-k", "tp2"])
+], ids=["chunked", "recompute", "swap", "no-prefix-cache", "tp2"])
 def test_greedy_tokens_are_the_same_with_speculation(tiny_models, kw):
     path, _ = tiny_models["llama"]
     prompts = _copying_prompts(1)
     want = _greedy(_engine(path, **kw), prompts)
-    engine = _engine(path, speculative_method="ngram", **kw)
+    engine = _spec_engine(path, "ngram", **kw)
     got = _greedy(engine, prompts)
     assert got == want
     snap = engine.metrics_snapshot()
@@ -64,6 +71,20 @@ def test_greedy_tokens_are_the_same_with_speculation(tiny_models, kw):
     assert 1 < snap["spec_mean_accepted_length"] <= 5
     if "num_kv_blocks" in kw:
         assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_the_load_adaptive_engine_measures_its_steps_and_stays_exact(tiny_models):
+    """With the adaptive choice on (the default), whatever k each step takes, the tokens are
+    speculation-off's, and the policy has the step times it chose from."""
+    path, _ = tiny_models["llama"]
+    prompts = _copying_prompts(1)
+    want = _greedy(_engine(path), prompts)
+    engine = _engine(path, speculative_method="ngram")
+    assert engine.speculator.policy.adaptive
+    assert _greedy(engine, prompts) == want
+    policy = engine.speculator.policy
+    assert policy.step_time and all(t > 0 for t in policy.step_time.values())
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -83,7 +104,7 @@ def test_a_draft_model_gives_the_same_greedy_tokens(tiny_models, tmp_path, kw):
     prompts = _copying_prompts(1)
     want = _greedy(_engine(path, **kw), prompts)
     for draft, accepted in ((path, 1.0), (stranger, 0.2)):
-        engine = _engine(path, speculative_method="draft_model", speculative_model=draft, **kw)
+        engine = _spec_engine(path, "draft_model", speculative_model=draft, **kw)
         assert _greedy(engine, prompts) == want
         snap = engine.metrics_snapshot()
         assert snap["spec_proposed_tokens"] > 0
@@ -100,7 +121,7 @@ def test_an_abort_mid_run_leaves_the_others_exact(tiny_models):
     path, _ = tiny_models["qwen2"]
     prompts = _copying_prompts(2)
     want = _greedy(_engine(path), prompts)
-    engine = _engine(path, speculative_method="ngram", num_speculative_tokens=3)
+    engine = _spec_engine(path, "ngram", num_speculative_tokens=3)
     got = _greedy(engine, prompts, abort_at=12)
     assert "r1" not in got and {k: v for k, v in want.items() if k != "r1"} == got
     assert engine.block_manager.num_used_blocks == 0
@@ -114,7 +135,7 @@ def test_fewer_steps_when_the_output_copies_its_input(tiny_models):
     seed_prompt = _copying_prompts(3)[0]
     first = _greedy(_engine(path), [seed_prompt], max_tokens=48)["r0"]
     prompt = seed_prompt + first
-    plain, spec = _engine(path), _engine(path, speculative_method="ngram")
+    plain, spec = _engine(path), _spec_engine(path, "ngram")
     assert _greedy(plain, [prompt], 40) == _greedy(spec, [prompt], 40)
     assert spec.metrics_snapshot()["num_steps"] < plain.metrics_snapshot()["num_steps"]
 
