@@ -11,7 +11,8 @@ does, so it shows the acceptance side, not a speed-up).
 Greedy, so every configuration generates the same tokens; each engine warms up (compiles)
 first and runs the concurrencies in order. Prints output tok/s, TPOT p50, the acceptance rate
 and the tokens a verifying row gained per step, and each configuration's speed against the
-first one ('off' by default).
+first one ('off' by default), and what the policy chose: the share of steps that verified
+proposals and their mean k.
 """
 
 from __future__ import annotations
@@ -106,16 +107,21 @@ def main() -> None:
             rows_v = after["spec_verify_rows"] - before["spec_verify_rows"]
             acc = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
             prop = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+            # the policy's choices: how many steps verified proposals, at what mean k
+            steps = after["num_steps"] - before["num_steps"]
+            spec_steps = after["spec_steps"] - before["spec_steps"]
             failed = [r.error for r in res if r.error]
             if failed:
                 raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
             rows[(name, c)] = s | {"acceptance": acc / prop if prop else 0.0,
                                    "per_row": (acc + rows_v) / rows_v if rows_v else 0.0,
-                                   "proposed": prop}
+                                   "proposed": prop, "mean_k": prop / rows_v if rows_v else 0.0,
+                                   "spec_share": spec_steps / steps if steps else 0.0}
             r = rows[(name, c)]
             print(f"{name:>10} c={c:<3} {r['output_tok_per_s']:7.1f} tok/s  TPOT p50 "
                   f"{r['tpot_p50_s'] * 1e3:6.1f} ms  proposed {prop:6d}  acceptance "
-                  f"{r['acceptance']:.2f}  tokens per verifying row {r['per_row']:.2f}",
+                  f"{r['acceptance']:.2f}  tokens per verifying row {r['per_row']:.2f}  "
+                  f"steps speculating {r['spec_share']:4.0%} at mean k {r['mean_k']:.2f}",
                   flush=True)
         del engine
     print("\nconcurrency  " + "  ".join(f"{n:>22}" for n in configs))

@@ -74,6 +74,43 @@ def test_greedy_tokens_are_the_same_with_speculation(tiny_models, kw):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_priority_preempts_a_speculating_request_and_keeps_every_output_exact(tiny_models):
+    """Under priority scheduling a late urgent request takes a running (speculating) one's
+    place: it is served first, the preempted one resumes, and every output is the one
+    speculation off gives."""
+    path, _ = tiny_models["llama"]
+    prompts = _copying_prompts(4)
+
+    def run(**kw):
+        engine = (_spec_engine(path, "ngram", **kw) if kw.pop("spec", False)
+                  else _engine(path, **kw))
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        for i, p in enumerate(prompts[:3]):
+            engine.add_request(f"low{i}", prompt_token_ids=p, params=params, priority=5)
+        first, done, step = {}, {}, 0
+        while engine.has_unfinished_requests():
+            if step == 6:
+                engine.add_request("high", prompt_token_ids=prompts[3], params=params,
+                                   priority=0)
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    first.setdefault(out.request_id, step)
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+            engine.block_manager.check_integrity(engine.scheduler.running)
+        return engine, first, done
+
+    kw = dict(max_num_seqs=2, scheduling_policy="priority", async_scheduling=False)
+    _, _, want = run(**kw)
+    engine, first, got = run(spec=True, **kw)
+    assert got == want
+    assert first["high"] < first["low2"]  # ahead of a request that waited before it came
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.metrics_snapshot()["spec_accepted_tokens"] > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_the_load_adaptive_engine_measures_its_steps_and_stays_exact(tiny_models):
     """With the adaptive choice on (the default), whatever k each step takes, the tokens are
     speculation-off's, and the policy has the step times it chose from."""
