@@ -93,8 +93,9 @@ class EngineConfig:
                         "steps, but ~3x the compile time and ~4x the time to load a program "
                         "from the compilation cache)")
     attention_backend: AttentionBackend = option(
-        AttentionBackend.AUTO, "paged attention kernel (auto: pallas on a GPU, xla "
-                               "elsewhere)")
+        AttentionBackend.AUTO, "paged attention kernel (auto: on a GPU the first of "
+                               "mosaic (Hopper), triton, pallas that can run, with a warning "
+                               "for each passed over; xla elsewhere)")
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
     seed: int = option(0, "engine seed for requests that bring none")
     enable_step_trace: bool = option(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,15 +52,85 @@ def check_attention_inputs(q, k_pages, v_pages, md: AttentionMetadata) -> None:
                          f"for S = {s}, got {md.query_start_loc.shape}, {md.block_tables.shape}")
 
 
+def _tiles_per_seq(query_start_loc: jax.Array, block_q: int):
+    """(tiles of each sequence, inclusive cumulative sum), both (S,) int32."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # (S,)
+    per_seq = (q_lens + block_q - 1) // block_q
+    return per_seq, jnp.cumsum(per_seq)
+
+
 def query_tiles(query_start_loc: jax.Array, num_tiles: int, block_q: int):
     """Map tile index -> (sequence, first row), tiles of `block_q` rows never straddling two
     sequences. (num_tiles,) int32 each; unused tiles get a first row past every sequence."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # (S,)
-    per_seq = (q_lens + block_q - 1) // block_q
-    cum = jnp.cumsum(per_seq)  # (S,) inclusive
+    per_seq, cum = _tiles_per_seq(query_start_loc, block_q)
     idx = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.searchsorted(cum, idx, side="right").astype(jnp.int32)
     valid = idx < cum[-1]
     seq = jnp.where(valid, seq, 0)
     row = (idx - (cum[seq] - per_seq[seq])) * block_q
     return seq, jnp.where(valid, row, _SKIP_ROW).astype(jnp.int32)
+
+
+def row_tiles(md: AttentionMetadata, num_tiles: int, block_q: int):
+    """The inverse map, row -> (tile, row within the tile), for the query tiles above.
+    (T,) int32 each; padding rows get some tile in range (their output is unspecified)."""
+    per_seq, cum = _tiles_per_seq(md.query_start_loc, block_q)
+    seq = md.token_seq
+    local = jnp.arange(seq.shape[0], dtype=jnp.int32) - md.query_start_loc[seq]
+    local = jnp.maximum(local, 0)
+    tile = cum[seq] - per_seq[seq] + local // block_q
+    return jnp.clip(tile, 0, num_tiles - 1).astype(jnp.int32), (local % block_q).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------ GQA folding (the GPU kernels)
+# A GPU kernel's program owns one (query tile, kv head); its tile's rows are `tokens` query
+# tokens of one sequence times the G query heads that share the kv head (row r: token r // G,
+# head r % G), so a decode fills G rows of the MMA and a page is read once per kv head. The
+# queries go in as (K, T * G, H), where a tile's rows are contiguous, and each tile's output
+# comes back in its own slot, (K, tiles, rows, H): no program stores a row another owns.
+
+
+class TileExtent(NamedTuple):
+    """A GPU kernel program's query tile, read from the tile map and metadata refs."""
+
+    seq: jax.Array  # () sequence it belongs to
+    row0: jax.Array  # () its first token, within the sequence's query rows
+    start: jax.Array  # () the sequence's first query row in the step
+    active: jax.Array  # () bool: the tile holds rows (unused tiles do nothing)
+    first_pos: jax.Array  # () position of its first token
+    last_pos: jax.Array  # () position of its last token (causal: the last key it sees)
+
+
+def tile_extent(tile, tokens: int, tile_seq_ref, tile_row_ref, qsl_ref, ctx_ref) -> TileExtent:
+    """Inside a kernel: the extent of tile `tile` of `tokens` tokens."""
+    seq = tile_seq_ref[tile]
+    row0 = tile_row_ref[tile]
+    start = qsl_ref[seq]
+    q_len = qsl_ref[seq + 1] - start
+    first_pos = ctx_ref[seq] - q_len + row0
+    return TileExtent(seq, row0, start, row0 < q_len, first_pos,
+                      first_pos + jnp.minimum(tokens, q_len - row0) - 1)
+
+
+def fold_queries(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """(T, K * G, H) -> (K, T * G + rows, H): a kv head's query rows, token-major, padded by
+    one tile so that a tile starting near the end reads in bounds."""
+    t, n, h = q.shape
+    folded = q.reshape(t, kv_heads, n // kv_heads, h).transpose(1, 0, 2, 3)
+    return jnp.pad(folded.reshape(kv_heads, t * (n // kv_heads), h), ((0, 0), (0, rows), (0, 0)))
+
+
+def folded_tiles(md: AttentionMetadata, num_rows: int, tokens: int):
+    """(number of tiles, tile -> sequence, tile -> first token) for `num_rows` query rows cut
+    into tiles of `tokens` tokens; a sequence adds at most one partial tile."""
+    num_tiles = num_rows // tokens + md.context_lens.shape[0]
+    return (num_tiles, *query_tiles(md.query_start_loc, num_tiles, tokens))
+
+
+def unfold_tiles(out: jax.Array, md: AttentionMetadata, tokens: int, groups: int) -> jax.Array:
+    """(K, tiles, rows, H) per-tile outputs -> (T, K * G, H), each row from its own tile."""
+    kv_heads, num_tiles, _, h = out.shape
+    tile, row = row_tiles(md, num_tiles, tokens)  # (T,) each
+    rows = row[:, None] * groups + jnp.arange(groups, dtype=jnp.int32)  # (T, G)
+    out = out[:, tile[:, None], rows]  # (K, T, G, H)
+    return out.transpose(1, 0, 2, 3).reshape(tile.shape[0], kv_heads * groups, h)

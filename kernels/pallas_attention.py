@@ -1,19 +1,19 @@
 """Ragged paged attention as a Pallas kernel: prefill chunks and decodes of one step in one call.
 
-Lowering: Pallas' Triton backend (`jax.experimental.pallas.triton`). We chose it over Mosaic GPU
-because this kernel's work is a data-dependent walk over a block table (one scalar load per page,
-masked loads and stores at ragged row offsets), which the Triton lowering expresses with plain
-masked `load`/`store` and a `fori_loop`, and because the same kernel body runs unchanged under
-`interpret=True` on a CPU, which is how it is tested in CI. Mosaic GPU would let a Hopper kernel
-stage pages through shared memory with the bulk-copy engine and warpgroup MMAs, which is the
-next step for long contexts; it needs explicit pipelining code that cannot run on a CPU.
+Lowering: Pallas' Triton backend (`jax.experimental.pallas.triton`): a data-dependent walk over
+a block table (one scalar load per page) with plain `load`/`store` and a `fori_loop`, the same
+body running under `interpret=True` on a CPU, which is how it is tested in CI. JAX 0.11
+deprecated this lowering; on Hopper, mosaic_attention.py (Mosaic GPU: bulk copies through a
+ring of shared-memory slots, warpgroup MMAs) comes first, and this kernel stays for the other
+GPUs while the lowering exists.
 
-Work split: query rows are cut into tiles of `block_q` rows that never straddle two sequences
-(tile i -> (sequence, first row)); the grid is (tiles, kv heads). A program loads its tile's
-queries for the G query heads of its kv head, walks the sequence's pages up to the last position
-the tile can see (causal), reading K/V pages in place through the block table, and keeps an
-online softmax in float32. Rows past the sequence's end are masked on store, so the kernel writes
-nothing outside its own rows.
+Work split: the G query heads of a kv head are folded into the tile's rows (kernels/metadata.py):
+a program owns one (query tile, kv head), whose `rows` rows (a power of two >= 16, Triton's
+smallest dot) are `rows // G` tokens of one sequence times the G heads. It loads its tile's
+queries in one block, walks the sequence's pages up to the last position its tokens can see
+(causal per row), reading each K/V page in place through the block table once for all G heads,
+keeps an online softmax in float32, and stores its whole tile to its own output slot; the
+wrapper maps the tiles back to (T, N, H).
 """
 
 from __future__ import annotations
@@ -25,91 +25,83 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.metadata import AttentionMetadata, check_attention_inputs, query_tiles
+from kernels.metadata import (
+    AttentionMetadata,
+    check_attention_inputs,
+    fold_queries,
+    folded_tiles,
+    tile_extent,
+    unfold_tiles,
+)
 
 # ----------------------------------------------------------------------------------- kernel body
 
 
 def _kernel(
     tile_seq_ref,  # (NT,) int32: sequence of each tile
-    tile_row_ref,  # (NT,) int32: tile's first row within its sequence's query rows
+    tile_row_ref,  # (NT,) int32: tile's first token within its sequence's query rows
     qsl_ref,  # (S + 1,) int32: query_start_loc
     ctx_ref,  # (S,) int32: context length after this step
     bt_ref,  # (S, MB) int32: block tables
     layer_ref,  # (1,) int32: which layer of the pool to read
-    q_ref,  # (T + block_q, N, H): queries, padded by one tile so slices stay in bounds
+    q_ref,  # (K, T * G + R, H): queries folded per kv head (row: token * G + head)
     k_ref,  # (L, P, B, K, H)
     v_ref,  # (L, P, B, K, H)
-    o_ref,  # (T + block_q, N, H)
+    o_ref,  # (K, NT, R, H): each tile's rows
     *,
-    block_q: int,
     groups: int,
     scale: float,
 ):
     tile, kh = pl.program_id(0), pl.program_id(1)
     page = k_ref.shape[2]
-    layer = layer_ref[0]
-    seq = tile_seq_ref[tile]
-    row0 = tile_row_ref[tile]
-    start = qsl_ref[seq]
-    q_len = qsl_ref[seq + 1] - start
+    rows, h = o_ref.shape[2:]
+    x = tile_extent(tile, rows // groups, tile_seq_ref, tile_row_ref, qsl_ref, ctx_ref)
+    seq = x.seq
 
-    @pl.when(row0 < q_len)
+    @pl.when(x.active)
     def _():
-        ctx = ctx_ref[seq]
-        rows = row0 + jnp.arange(block_q, dtype=jnp.int32)  # (BQ,)
-        row_ok = rows < q_len
-        q_pos = ctx - q_len + rows  # (BQ,) position of each query row
-        last_pos = ctx - q_len + jnp.minimum(row0 + block_q, q_len) - 1
-        num_pages = last_pos // page + 1
-        qs = [plgpu.load(q_ref.at[pl.ds(start + row0, block_q), kh * groups + g, :])  # (BQ, H)
-              for g in range(groups)]
+        layer = layer_ref[0]
+        num_pages = x.last_pos // page + 1
+        q = plgpu.load(q_ref.at[kh, pl.ds((x.start + x.row0) * groups, rows), :])  # (R, H)
+        # position of each row's token; rows past the tile's tokens are never read back
+        row_pos = x.first_pos + jnp.arange(rows, dtype=jnp.int32) // groups  # (R,)
 
         def body(j, carry):
+            m, denom, acc = carry
             blk = bt_ref[seq, j]
             k = plgpu.load(k_ref.at[layer, blk, :, kh, :])  # (B, H)
             v = plgpu.load(v_ref.at[layer, blk, :, kh, :])  # (B, H)
             key_pos = j * page + jnp.arange(page, dtype=jnp.int32)  # (B,)
-            visible = key_pos[None, :] <= q_pos[:, None]  # (BQ, B)
-            out = []
-            for g in range(groups):
-                m, denom, acc = carry[g]
-                s = jnp.dot(qs[g], k.T, preferred_element_type=jnp.float32) * scale  # (BQ, B)
-                s = jnp.where(visible, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=-1))  # (BQ,)
-                # Rows that see no key yet keep m = -inf; guard the rescale against inf - inf.
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = jnp.exp(s - m_safe[:, None])  # (BQ, B)
-                alpha = jnp.exp(m - m_safe)  # (BQ,)
-                denom = alpha * denom + p.sum(axis=-1)
-                acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
-                                                     preferred_element_type=jnp.float32)
-                out.append((m_new, denom, acc))
-            return tuple(out)
+            s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # (R, B)
+            s = jnp.where(key_pos[None, :] <= row_pos[:, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=-1))  # (R,)
+            # Rows that see no key yet keep m = -inf; guard the rescale against inf - inf.
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_safe[:, None])  # (R, B)
+            alpha = jnp.exp(m - m_safe)  # (R,)
+            denom = alpha * denom + p.sum(axis=-1)
+            acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
+                                                 preferred_element_type=jnp.float32)
+            return m_new, denom, acc
 
-        h = q_ref.shape[-1]
-        init = tuple((jnp.full((block_q,), -jnp.inf, jnp.float32),
-                      jnp.zeros((block_q,), jnp.float32),
-                      jnp.zeros((block_q, h), jnp.float32)) for _ in range(groups))
-        final = jax.lax.fori_loop(0, num_pages, body, init)
-        for g in range(groups):
-            _, denom, acc = final[g]
-            out = acc / jnp.where(denom == 0, 1.0, denom)[:, None]
-            plgpu.store(o_ref.at[pl.ds(start + row0, block_q), kh * groups + g, :],
-                        out.astype(o_ref.dtype), mask=row_ok[:, None])
+        init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                jnp.zeros((rows, h), jnp.float32))
+        _, denom, acc = jax.lax.fori_loop(0, num_pages, body, init)
+        out = acc / jnp.where(denom == 0, 1.0, denom)[:, None]
+        plgpu.store(o_ref.at[kh, tile], out.astype(o_ref.dtype))
 
 
 # ----------------------------------------------------------------------------- pallas_call build
 
 
-def _build(t_pad: int, n: int, h: int, kv_heads: int, num_tiles: int, dtype, *, block_q: int,
+def _build(num_tiles: int, rows: int, h: int, kv_heads: int, groups: int, dtype, *,
            scale: float, interpret: bool, num_warps: int, num_stages: int):
-    kernel = functools.partial(_kernel, block_q=block_q, groups=n // kv_heads, scale=scale)
+    kernel = functools.partial(_kernel, groups=groups, scale=scale)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((t_pad, n, h), dtype),
+        out_shape=jax.ShapeDtypeStruct((kv_heads, num_tiles, rows, h), dtype),
         grid=(num_tiles, kv_heads),
         interpret=interpret,
         compiler_params=params,
@@ -141,18 +133,20 @@ def ragged_paged_attention(
     Rows of sequence s are q[query_start_loc[s]:query_start_loc[s + 1]], at positions ending at
     context_lens[s] - 1; each attends causally to its sequence's first (position + 1) keys,
     found through block_tables[s]. Rows past query_start_loc[-1] are padding and come back
-    unspecified. float32 or bfloat16 inputs; float32 accumulation.
+    unspecified. float32, bfloat16 or float16 inputs; float32 accumulation. `block_q`: the
+    fewest rows of a tile (16, Triton's smallest dot); G > block_q heads take a larger tile.
     """
     check_attention_inputs(q, k_pages, v_pages, md)
     t, n, h = q.shape
     kv_heads = k_pages.shape[3]
+    groups = n // kv_heads
     scale = h**-0.5 if scale is None else scale
-    num_tiles = t // block_q + md.context_lens.shape[0]  # a sequence adds <= 1 partial tile
-    tile_seq, tile_row = query_tiles(md.query_start_loc, num_tiles, block_q)
-    q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
-    call = _build(t + block_q, n, h, kv_heads, num_tiles, q.dtype, block_q=block_q, scale=scale,
+    rows = max(block_q, 1 << (groups - 1).bit_length())  # a power of two holding G heads
+    tokens = rows // groups
+    num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
+    call = _build(num_tiles, rows, h, kv_heads, groups, q.dtype, scale=scale,
                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
-               q_pad, k_pages, v_pages)
-    return out[:t]
+               fold_queries(q, kv_heads, rows), k_pages, v_pages)  # (K, NT, R, H)
+    return unfold_tiles(out, md, tokens, groups)

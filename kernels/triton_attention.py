@@ -1,20 +1,30 @@
 """Ragged paged attention as a Triton kernel, called from JAX through `jax_triton.triton_call`.
 
-The second GPU backend. Same contract and work split as `kernels.pallas_attention` (tiles of
-`block_q` query rows that never straddle two sequences, grid (tiles, kv heads), pages read in
-place through the block table, online softmax in float32), written directly in Triton so that it
-does not depend on Pallas' Triton lowering. It handles prefill chunks and decodes in one call.
-GPU only: Triton has no CPU interpreter that jax-triton can call.
+Same contract and work split as `kernels.pallas_attention` (the G query heads of a kv head
+folded into a tile's rows, tiles that never straddle two sequences, grid (tiles, kv heads),
+pages read in place through the block table once per kv head, online softmax in float32, each
+tile's rows stored to its own slot), written directly in Triton so that it does not depend on
+Pallas' Triton lowering, which JAX 0.11 deprecated. It handles prefill chunks and decodes in one
+call. Through jax-triton it runs on a GPU only; tests run the same kernel in Triton's own
+interpreter on torch CPU tensors, and compile it for sm_90.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import AttentionMetadata, check_attention_inputs, query_tiles
+from kernels.metadata import (
+    AttentionMetadata,
+    check_attention_inputs,
+    fold_queries,
+    folded_tiles,
+    unfold_tiles,
+)
 
 try:  # Triton alone compiles the kernel (tests do, for sm_90, on machines without a GPU)
     import triton
@@ -43,7 +53,7 @@ if triton is not None:
 
     @triton.jit
     def _kernel(
-        q_ptr,  # (T + BQ, N, H)
+        q_ptr,  # (KH, QR, H): queries folded per kv head (row: token * G + head)
         k_ptr,  # (L, P, B, KH, H)
         v_ptr,  # (L, P, B, KH, H)
         bt_ptr,  # (S, MB) int32
@@ -51,17 +61,18 @@ if triton is not None:
         qsl_ptr,  # (S + 1,) int32
         ctx_ptr,  # (S,) int32
         tile_seq_ptr,  # (NT,) int32
-        tile_row_ptr,  # (NT,) int32
-        o_ptr,  # (T + BQ, N, H)
+        tile_row_ptr,  # (NT,) int32: tile's first token within its sequence's query rows
+        o_ptr,  # (KH, NT, R, H): each tile's rows
         scale: tl.constexpr,
         MB: tl.constexpr,
         P: tl.constexpr,
-        N: tl.constexpr,
         KH: tl.constexpr,
         H: tl.constexpr,
         B: tl.constexpr,
-        BQ: tl.constexpr,
+        R: tl.constexpr,  # rows of a tile: R // G tokens times G heads
         G: tl.constexpr,
+        NT: tl.constexpr,
+        QR: tl.constexpr,  # folded query rows per kv head (T * G + R)
     ):
         tile = tl.program_id(0)
         kh = tl.program_id(1)
@@ -71,41 +82,71 @@ if triton is not None:
         start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - start
         if row0 < q_len:
-            ctx = tl.load(ctx_ptr + seq)
-            offs_q = tl.arange(0, BQ)
+            first_pos = tl.load(ctx_ptr + seq) - q_len + row0  # the tile's first token's
+            last_pos = first_pos + tl.minimum(R // G, q_len - row0) - 1
+            num_pages = last_pos // B + 1
+            offs_r = tl.arange(0, R)
             offs_h = tl.arange(0, H)
             offs_b = tl.arange(0, B)
-            rows = row0 + offs_q
-            row_ok = rows < q_len
-            q_pos = ctx - q_len + rows
-            last_pos = ctx - q_len + tl.minimum(row0 + BQ, q_len) - 1
-            num_pages = last_pos // B + 1
-            for g in tl.static_range(G):
-                head = kh * G + g
-                q_off = ((start + rows)[:, None] * N + head) * H + offs_h[None, :]
-                q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
-                m = tl.full([BQ], float("-inf"), tl.float32)
-                denom = tl.zeros([BQ], tl.float32)
-                acc = tl.zeros([BQ, H], tl.float32)
-                for j in range(0, num_pages):
-                    blk = tl.load(bt_ptr + seq * MB + j)
-                    # (B,) rows of the flattened pool; int64 since big pools pass 2**31
-                    page_row = (layer.to(tl.int64) * P + blk) * B + offs_b
-                    kv_off = (page_row[:, None] * KH + kh) * H + offs_h[None, :]
-                    k = tl.load(k_ptr + kv_off)
-                    v = tl.load(v_ptr + kv_off)
-                    s = tl.dot(q, tl.trans(k)) * scale
-                    key_pos = j * B + offs_b
-                    s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(s, 1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp(s - m_safe[:, None])
-                    alpha = tl.exp(m - m_safe)
-                    denom = alpha * denom + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                    m = m_new
-                out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-                tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            # each row's token position; rows past the tile's tokens are never read back
+            row_pos = first_pos + offs_r // G
+            q_row = kh.to(tl.int64) * QR + (start + row0) * G + offs_r
+            q = tl.load(q_ptr + q_row[:, None] * H + offs_h[None, :])  # (R, H)
+            m = tl.full([R], float("-inf"), tl.float32)
+            denom = tl.zeros([R], tl.float32)
+            acc = tl.zeros([R, H], tl.float32)
+            for j in range(0, num_pages):
+                blk = tl.load(bt_ptr + seq * MB + j)
+                # (B,) rows of the flattened pool; int64 since big pools pass 2**31
+                page_row = (layer.to(tl.int64) * P + blk) * B + offs_b
+                kv_off = (page_row[:, None] * KH + kh) * H + offs_h[None, :]
+                k = tl.load(k_ptr + kv_off)  # read once for the G heads
+                v = tl.load(v_ptr + kv_off)
+                s = tl.dot(q, tl.trans(k)) * scale
+                key_pos = j * B + offs_b
+                s = tl.where(key_pos[None, :] <= row_pos[:, None], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                denom = alpha * denom + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+            out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+            o_row = (kh.to(tl.int64) * NT + tile) * R + offs_r
+            tl.store(o_ptr + o_row[:, None] * H + offs_h[None, :],
+                     out.to(o_ptr.dtype.element_ty))
+
+
+class Launch(NamedTuple):
+    """One launch of `_kernel`: its array arguments (before the output), constexprs, grid and
+    output shape, and how its per-tile output maps back to (T, N, H)."""
+
+    args: tuple
+    consts: dict
+    grid: tuple[int, int]
+    out_shape: tuple[int, ...]
+    unfold: Callable[[jax.Array], jax.Array]
+
+
+def plan_launch(q, k_pages, layer, md: AttentionMetadata, *, scale: float | None = None,
+                block_q: int = 16) -> Launch:
+    t, n, h = q.shape
+    _, p, b, kv_heads, _ = k_pages.shape
+    groups = n // kv_heads
+    scale = h**-0.5 if scale is None else scale
+    rows = max(block_q, 1 << (groups - 1).bit_length())  # a power of two holding G heads
+    tokens = rows // groups
+    num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
+    q_fold = fold_queries(q, kv_heads, rows)
+    return Launch(
+        args=(q_fold, md.block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
+              md.query_start_loc, md.context_lens, tile_seq, tile_row),
+        consts=dict(scale=float(scale), MB=md.block_tables.shape[1], P=p, KH=kv_heads, H=h,
+                    B=b, R=rows, G=groups, NT=num_tiles, QR=q_fold.shape[1]),
+        grid=(num_tiles, kv_heads),
+        out_shape=(kv_heads, num_tiles, rows, h),
+        unfold=functools.partial(unfold_tiles, md=md, tokens=tokens, groups=groups))
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "num_warps", "num_stages", "scale"))
@@ -126,21 +167,15 @@ def ragged_paged_attention_triton(
     if reason:
         raise ValueError(reason)
     check_attention_inputs(q, k_pages, v_pages, md)
-    t, n, h = q.shape
-    _, p, b, kv_heads, _ = k_pages.shape
-    s, mb = md.block_tables.shape
-    scale = h**-0.5 if scale is None else scale
-    num_tiles = t // block_q + s
-    tile_seq, tile_row = query_tiles(md.query_start_loc, num_tiles, block_q)
-    q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+    plan = plan_launch(q, k_pages, layer, md, scale=scale, block_q=block_q)
+    q_fold, *ints = plan.args
     out = jt.triton_call(
-        q_pad, k_pages, v_pages, md.block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
-        md.query_start_loc, md.context_lens, tile_seq, tile_row,
+        q_fold, k_pages, v_pages, *ints,
         kernel=_kernel,
-        out_shape=jax.ShapeDtypeStruct(q_pad.shape, q.dtype),
-        grid=(num_tiles, kv_heads),
+        out_shape=jax.ShapeDtypeStruct(plan.out_shape, q.dtype),
+        grid=plan.grid,
         num_warps=num_warps,
         num_stages=num_stages,
-        scale=float(scale), MB=mb, P=p, N=n, KH=kv_heads, H=h, B=b, BQ=block_q, G=n // kv_heads,
+        **plan.consts,
     )
-    return out[:t]
+    return plan.unfold(out)

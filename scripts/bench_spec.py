@@ -123,6 +123,12 @@ def main() -> None:
                   f"{r['acceptance']:.2f}  tokens per verifying row {r['per_row']:.2f}  "
                   f"steps speculating {r['spec_share']:4.0%} at mean k {r['mean_k']:.2f}",
                   flush=True)
+            if engine.speculator is not None and engine.speculator.policy.adaptive:
+                policy = engine.speculator.policy  # what its choices rested on
+                table = lambda t: " ".join(f"{b}:{x * 1e3:.0f}" for b, x in sorted(t.items()))  # noqa: E731
+                print(f"{'':>16}policy: acceptance {policy.acceptance:.2f}; step ms by token "
+                      f"bucket, decode-only {table(policy.step_time)}; with prefill "
+                      f"{table(policy.mixed_time)}", flush=True)
         del engine
     print("\nconcurrency  " + "  ".join(f"{n:>22}" for n in configs))
     for c in args.concurrency:

@@ -98,7 +98,10 @@ class ModelRunner:
         self.config = config
         self.compilation_cache_dir = compile_cache.enable(config.compilation_cache_dir)
         self.dtype = resolve_dtype(config.dtype)
-        self.attention_backend, attn_fn = select_attention(config.attention_backend)
+        lc = loaded.config
+        self.attention_backend, attn_fn = select_attention(
+            config.attention_backend, dtype=self.dtype, head_dim=lc.head_dim,
+            groups=lc.num_heads // lc.num_kv_heads, block_size=config.block_size)
         scan = config.layer_loop is LayerLoop.SCAN
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         self.devices = sharding.device_group(devices, tp)

@@ -1,4 +1,7 @@
-"""Attention kernels against the jnp reference: Pallas in interpret mode on the CPU, Triton on GPUs.
+"""Attention kernels against the jnp reference: Pallas in interpret mode on the CPU (the Triton
+lowering's kernel in Pallas' interpreter, the Mosaic GPU kernel in Pallas' GPU interpreter, which
+simulates shared memory, bulk copies and barriers), Triton on GPUs; the GPU kernels lowered or
+compiled for a CUDA target without a GPU.
 
 Tolerances: float32 inputs, |error| <= 2e-5; bfloat16 inputs (both sides read the same bf16 pages
 and queries and accumulate in float32; outputs are rounded to bf16, whose step is 2**-6 at
@@ -7,6 +10,10 @@ magnitudes 2..4), |error| <= 1e-2 + 1e-2 * |reference|.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +21,14 @@ import pytest
 
 from jaxserve.testing.ragged import ragged_metadata
 from kernels.kv_write import write_kv
+from kernels.metadata import query_tiles, row_tiles
+from kernels.mosaic_attention import TILE_ROWS, ragged_paged_attention_mosaic
 from kernels.pallas_attention import ragged_paged_attention
 from kernels.reference import ragged_paged_attention_reference
 from kernels.xla_attention import ragged_paged_attention_xla
 
-TOL = {"float32": (2e-5, 0.0), "bfloat16": (1e-2, 1e-2)}  # (atol, rtol)
+TOL = {"float32": (2e-5, 0.0), "bfloat16": (1e-2, 1e-2),  # (atol, rtol)
+       "float16": (2e-3, 2e-3)}
 
 
 def assert_close(got, want, t: int, dtype: str):
@@ -90,6 +100,67 @@ def test_xla_backend_matches_reference(seed, block_q):
     assert_close(got, want, t, "float32")
 
 
+@pytest.mark.parametrize("groups, dtype, head_dim, block_size", [
+    (3, "bfloat16", 64, 16),  # SmolLM2's 9 / 3 heads: 21 tokens of 3 heads fill 63 of 64 rows
+    (1, "float16", 64, 8),
+    (8, "bfloat16", 128, 16),
+])
+def test_mosaic_matches_reference(groups, dtype, head_dim, block_size):
+    """The Hopper kernel in Pallas' GPU interpreter: ragged prefill chunks and decodes, tiles of
+    64 // G tokens, pages through the ring of shared-memory slots (contexts of 1 to 6 steps of
+    the walk, so slots are refilled)."""
+    q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype,
+                               block_size=block_size, head_dim=head_dim)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    got = ragged_paged_attention_mosaic(q, k, v, LAYER, md, interpret=True)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert_close(got, want, t, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mosaic_kernel_lowers_for_hopper_without_a_gpu(dtype):
+    """The GPU path: warpgroup MMAs, bulk copies and register layouts lower to a Mosaic GPU
+    custom call for sm_90a (the architecture lowering takes when no GPU is attached)."""
+    q, k, v, md, _ = make_case(0, MIXED, kv_heads=2, groups=3, dtype=dtype, head_dim=64)
+    f = jax.jit(lambda q, k, v, md: ragged_paged_attention_mosaic(q, k, v, LAYER, md))
+    text = f.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @mosaic_gpu" in text
+
+
+def test_mosaic_refuses_what_it_cannot_run():
+    q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="float32", head_dim=64)
+    with pytest.raises(ValueError, match="dtype must be bfloat16 or float16"):
+        ragged_paged_attention_mosaic(q, k, v, LAYER, md, interpret=True)
+    q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="bfloat16")
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 64"):
+        ragged_paged_attention_mosaic(q, k, v, LAYER, md, interpret=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_query_tiles_and_row_tiles_are_inverse_on_ragged_batches(seed):
+    """Tile arithmetic of the GQA-folded kernel: every real row lands in a tile of its own
+    sequence at its own offset, the tiles of a sequence cover its rows once, and no tile is
+    needed past the bound the kernels size their grids by."""
+    rng = np.random.default_rng(300 + seed)
+    seqs = [(int(ql), int(ql) + int(rng.integers(0, 50)))
+            for ql in rng.integers(1, 90, int(rng.integers(1, 9)))]
+    md, t, _ = ragged_metadata(seqs, 16, seed, pad_tokens=16, pad_seqs=2)
+    for groups in (1, 3, 8):
+        tokens = TILE_ROWS // groups
+        num_tiles = md.positions.shape[0] // tokens + md.context_lens.shape[0]
+        tile_seq, tile_row = map(np.asarray, query_tiles(md.query_start_loc, num_tiles, tokens))
+        tile, row = map(np.asarray, row_tiles(md, num_tiles, tokens))
+        qsl, tseq = np.asarray(md.query_start_loc), np.asarray(md.token_seq)
+        for i in range(t):
+            s = tseq[i]
+            assert tile_seq[tile[i]] == s and tile_row[tile[i]] + row[i] == i - qsl[s]
+            assert 0 <= row[i] < tokens
+        used = tile_row < (1 << 30)
+        assert used.sum() == sum(-(-ql // tokens) for ql, _ in seqs)
+        pairs = set(zip(tile_seq[used], tile_row[used], strict=True))
+        assert len(pairs) == used.sum()
+
+
 def test_pallas_writes_nothing_outside_its_rows():
     """Rows of one sequence are computed by its own tiles only: perturbing another sequence's
     pages or queries leaves them unchanged, and the pages are never written."""
@@ -125,13 +196,14 @@ def test_reference_write_hits_one_layer_and_drops_padding_slots():
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: Triton kernels have no CPU mode and the "
                                        "Pallas kernel is only compiled (not interpreted) there")
-@pytest.mark.parametrize("backend", ["pallas", "triton"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend, dtype", [
+    (b, d) for b in ("pallas", "triton") for d in ("float32", "bfloat16")] + [
+    ("mosaic", "bfloat16"), ("mosaic", "float16")])
 def test_gpu_kernels_match_reference(backend, dtype):
     from kernels import select_attention
 
     _, fn = select_attention(backend)
-    q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype)
+    q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype, head_dim=64)
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = fn(q, k, v, LAYER, md)
     assert_close(got, want, t, dtype)
@@ -146,6 +218,34 @@ def test_pallas_kernel_lowers_for_cuda_without_a_gpu(dtype):
     assert "xla.gpu.triton" in text and 'name = "ragged_paged_attention"' in text
 
 
+def run_triton_interpreted(dtype: str, groups: int) -> None:
+    """The jax-triton backend's kernel, launched as it plans, by Triton's interpreter on torch
+    CPU tensors (a process with TRITON_INTERPRET=1 set before triton is imported)."""
+    import torch
+
+    from kernels.triton_attention import _kernel, plan_launch
+
+    q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype)
+    plan = plan_launch(q, k, LAYER, md)
+    as_torch = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    q_fold, *ints = map(as_torch, plan.args)
+    out = torch.empty(plan.out_shape, dtype=q_fold.dtype)
+    _kernel[plan.grid](q_fold, as_torch(k), as_torch(v), *ints, out, **plan.consts)
+    got = plan.unfold(jnp.asarray(out.numpy()))
+    assert_close(got, ragged_paged_attention_reference(q, k, v, LAYER, md), t, dtype)
+
+
+@pytest.mark.parametrize("dtype, groups", [("float32", 3), ("float16", 8), ("float32", 1)])
+def test_triton_kernel_matches_reference_in_tritons_interpreter(dtype, groups):
+    pytest.importorskip("triton", reason="the triton package is not installed")
+    pytest.importorskip("torch", reason="torch is not installed")
+    code = ("from tests.kernels.test_attention import run_triton_interpreted as run; "
+            f"run({dtype!r}, {groups})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, monkeypatch):
     """The jax-triton kernel compiled by Triton itself down to a cubin for sm_90 (H100/H200)."""
@@ -157,8 +257,8 @@ def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, monkeypatch):
 
     ptrs = ["q_ptr", "k_ptr", "v_ptr", "o_ptr"]
     ints = ["bt_ptr", "layer_ptr", "qsl_ptr", "ctx_ptr", "tile_seq_ptr", "tile_row_ptr"]
-    consts = {"scale": 0.125, "MB": 32, "P": 1024, "N": 32, "KH": 8, "H": 128, "B": 16,
-              "BQ": 16, "G": 4}
+    consts = {"scale": 0.125, "MB": 32, "P": 1024, "KH": 8, "H": 128, "B": 16, "R": 16, "G": 4,
+              "NT": 40, "QR": 528}
     sig = {p: f"*{dtype}" for p in ptrs} | {p: "*i32" for p in ints} | dict.fromkeys(
         consts, "constexpr")
     src = triton.compiler.ASTSource(fn=_kernel, signature=sig, constexprs=consts)

@@ -6,7 +6,8 @@ import jax
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import select_attention
+from kernels import AttentionBackend, _auto, select_attention
+from kernels.mosaic_attention import supports
 from tests.helpers import run_all
 
 
@@ -16,12 +17,37 @@ def test_auto_is_xla_on_cpu():
     assert select_attention("auto")[0] == "xla"
 
 
-def test_unavailable_backend_fails_at_engine_start(tiny_llama_dir):
+@pytest.mark.parametrize("backend, why", [("triton", "jax-triton|GPU"),
+                                          ("mosaic", "Hopper GPU")])
+def test_unavailable_backend_fails_at_engine_start(tiny_llama_dir, backend, why):
     if jax.default_backend() == "gpu":
-        pytest.skip("triton may be available on a GPU")
-    with pytest.raises(ValueError, match="triton"):
-        LLMEngine(EngineConfig(model=tiny_llama_dir, attention_backend="triton",
+        pytest.skip("these may be available on a GPU")
+    with pytest.raises(ValueError, match=f"attention_backend '{backend}' cannot run here: .*"
+                                         f"({why})"):
+        LLMEngine(EngineConfig(model=tiny_llama_dir, attention_backend=backend,
                                max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128))
+
+
+def test_auto_on_a_gpu_passes_over_what_cannot_run_with_a_warning():
+    """The GPU order, walked on this machine: mosaic needs a Hopper device and triton needs
+    jax-triton and a GPU, so each is passed over with a warning that says why, and the first
+    that can run (Pallas' Triton lowering, which imports here) is chosen; never an error."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the first choice may run")
+    with pytest.warns(UserWarning) as caught:
+        choice = _auto("gpu", dict(dtype="bfloat16", head_dim=64, groups=3, block_size=16))
+    assert choice is AttentionBackend.PALLAS
+    said = [str(w.message) for w in caught]
+    assert any("'mosaic'" in m and "Hopper" in m for m in said)
+    assert any("'triton'" in m for m in said)
+
+
+def test_mosaic_shape_limits_name_the_field():
+    assert supports("bfloat16", 128, 8, 16) is None
+    assert "dtype" in supports("float32", 64, 3, 16)
+    assert "head_dim" in supports("float16", 96, 3, 16)
+    assert "query heads per kv head" in supports("bfloat16", 64, 128, 16)
+    assert "block_size" in supports("bfloat16", 64, 3, 12)
 
 
 def test_engine_output_identical_across_cpu_backends(tiny_llama_dir):

@@ -1,0 +1,268 @@
+"""Ragged paged attention for Hopper (sm_90a) on Pallas' Mosaic GPU backend.
+
+Why a second Pallas kernel: JAX 0.11 deprecated Pallas' Triton lowering (pallas_attention.py),
+and Mosaic GPU exposes what Hopper is built around: the bulk-copy engine (TMA) that moves a
+page from HBM to shared memory without the threads, mbarriers to wait for it, and warpgroup
+MMAs that read their operands from shared memory.
+
+**GQA folded into the tile's rows.** A program owns one (query tile, kv head). Its 64 rows (one
+warpgroup MMA's M) hold `64 // G` query tokens of one sequence times the G query heads that
+share the kv head: row r is token r // G, head r % G (kernels/metadata.py, shared with the
+Triton-lowered kernel). A decode step of one sequence fills G rows, and each page is read once
+per kv head. A tile's rows are contiguous in the folded queries, so one bulk copy loads them,
+and its output goes to its own slot, so no store is ragged.
+
+**Page walk.** A step of the loop covers `pages_per_step` pages (`pages_per_step * B` keys, the
+MMA's N for QK^T and K for PV); each page is a (B, H) box of the pool, found through the block
+table and copied by the TMA into its rows of a shared-memory slot. `num_stages` slots form a
+ring: the copies for step s + num_stages are issued as soon as step s has consumed its slot, so
+they overlap the MMAs of the steps in between. Each step waits on its slot's K barrier, runs
+S = Q K^T (f32 accumulator), masks causally per row (key position <= the row's token position),
+updates the online softmax in f32 (base-2 exponentials, the scale folded into log2 e), waits on
+the V barrier and accumulates P V. The walk stops at the last page the tile's last token can
+see; entries past a sequence's own pages are clamped into the table and masked out.
+
+**The step's KV write stays a separate scatter** (kv_write.py, before this call), as for the
+other backends. Fusing it (TMA stores of the step's new K/V rows into their pages, the pool
+aliased in and out) would save one pass over those rows, T * K * H * 2 values per layer, which
+is small next to the pages a step reads; whether it pays is a GPU measurement this kernel has
+not had yet.
+
+Constraints: bfloat16 or float16 (the MMA's input types), head_dim a multiple of 64 (the 128-byte
+swizzle), G <= 64, block size a multiple of 8 dividing `pages_per_step * B` <= 256.
+
+On a CPU the kernel runs in Pallas' GPU interpreter (simulated shared memory, TMA, barriers and
+MMAs): slow, for tests. It lowers for a CUDA target without a GPU (a Mosaic GPU custom call for
+sm_90a), which CI checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernels.metadata import (
+    AttentionMetadata,
+    check_attention_inputs,
+    fold_queries,
+    folded_tiles,
+    tile_extent,
+    unfold_tiles,
+)
+
+TILE_ROWS = 64  # a warpgroup MMA's M: the query rows (token x head) of one program
+_LOG2E = math.log2(math.e)
+
+
+def supports(dtype, head_dim: int, groups: int, block_size: int,
+             pages_per_step: int = 4) -> str | None:
+    """Why this kernel cannot take these shapes, or None when it can."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype must be bfloat16 or float16, got {jnp.dtype(dtype).name}"
+    if head_dim % 64:
+        return f"head_dim must be a multiple of 64, got {head_dim}"
+    if groups > TILE_ROWS:
+        return f"query heads per kv head must be <= {TILE_ROWS}, got {groups}"
+    if block_size % 8 or block_size * pages_per_step > 256:
+        return (f"block_size must be a multiple of 8 with block_size * pages_per_step <= 256, "
+                f"got {block_size} x {pages_per_step}")
+    return None
+
+
+# ----------------------------------------------------------------------------------- kernel body
+
+
+def _kernel(
+    tile_seq_ref,  # (NT,) int32: sequence of each tile
+    tile_row_ref,  # (NT,) int32: tile's first token within its sequence's query rows
+    qsl_ref,  # (S + 1,) int32: query_start_loc
+    ctx_ref,  # (S,) int32: context length after this step
+    bt_ref,  # (S, MB) int32: block tables
+    layer_ref,  # (1,) int32: which layer of the pool to read
+    q_ref,  # (K, T * G + 64, H): queries folded per kv head, padded by one tile
+    k_ref,  # (L, P, B, K, H)
+    v_ref,  # (L, P, B, K, H)
+    o_ref,  # (K, NT, 64, H): each tile's rows
+    q_smem,  # (64, H): the tile's queries, then its output
+    k_smem,  # (num_stages, pages_per_step * B, H)
+    v_smem,  # (num_stages, pages_per_step * B, H)
+    q_bar,
+    k_bar,  # num_stages barriers, pages_per_step copies each
+    v_bar,
+    *,
+    groups: int,
+    pages_per_step: int,
+    num_stages: int,
+    scale: float,
+    interpret: bool,
+):
+    # Register layouts are the GPU lowering's business; Pallas' GPU interpreter (a CPU) has
+    # no rules for them, and the values are the same without.
+    if interpret:
+        layout_cast = lambda x, layout: x  # noqa: E731
+        iota = lambda dtype, shape, dim, layout: lax.broadcasted_iota(dtype, shape, dim)  # noqa: E731
+    else:
+        layout_cast = plgpu.layout_cast
+        iota = plgpu.broadcasted_iota
+    def mma(a, b_ref, shape, transpose_b=False):
+        """a @ b (b transposed if asked) into a fresh f32 (shape) accumulator: a warpgroup
+        MMA on the GPU. The interpreter's MMA takes neither an A held in registers nor a
+        transposed B, so there the product of the same operands is a plain dot."""
+        if interpret:
+            a = a[...] if hasattr(a, "at") else a
+            b = b_ref[...]
+            return jnp.dot(a, b.T if transpose_b else b, preferred_element_type=jnp.float32)
+        b_ref = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, a, b_ref)
+            return acc_ref[...]
+
+        return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+    tile, kh = lax.axis_index("tile"), lax.axis_index("kv")
+    page, width = k_ref.shape[2], bt_ref.shape[1]
+    rows, head_dim = q_smem.shape
+    keys = page * pages_per_step  # keys per step of the walk
+    x = tile_extent(tile, rows // groups, tile_seq_ref, tile_row_ref, qsl_ref, ctx_ref)
+    seq = x.seq
+
+    @pl.when(x.active)
+    def _():
+        layer = layer_ref[0]
+        num_steps = lax.div(x.last_pos, jnp.int32(keys)) + 1
+
+        def fetch(step, slot):
+            for p in range(pages_per_step):
+                blk = bt_ref[seq, jnp.minimum(step * pages_per_step + p, width - 1)]
+                rows_p = pl.ds(p * page, page)
+                plgpu.copy_gmem_to_smem(k_ref.at[layer, blk, :, kh, :], k_smem.at[slot, rows_p],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[layer, blk, :, kh, :], v_smem.at[slot, rows_p],
+                                        v_bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[kh, pl.ds((x.start + x.row0) * groups, rows)],
+                                q_smem, q_bar)
+        for i in range(num_stages):  # fill the ring
+            pl.when(i < num_steps)(functools.partial(fetch, i, i))
+        plgpu.barrier_wait(q_bar)
+
+        layout = plgpu.Layout.WGMMA
+        row_ids = iota(jnp.int32, (rows, keys), 0, layout=layout)
+        key_ids = iota(jnp.int32, (rows, keys), 1, layout=layout)
+        # position of each row's token (row r is token r // G); keys past it are masked
+        row_pos = x.first_pos + (row_ids // groups if groups > 1 else row_ids)
+        row_of = lambda x: lax.broadcast_in_dim(x, (rows, keys), [0])  # noqa: E731
+
+        def step_fn(step, carry):
+            acc, m, denom = carry
+            slot = lax.rem(step, jnp.int32(num_stages))
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            s = mma(q_smem, k_smem.at[slot], (rows, keys), transpose_b=True)
+            s = jnp.where(key_ids + step * keys <= row_pos, s * (scale * _LOG2E), -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            # rows that see no key yet keep m = -inf: rescale against 0 instead of -inf - -inf
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp2(s - row_of(m_safe))
+            alpha = jnp.exp2(m - m_safe)
+            denom = denom * alpha + p.sum(axis=1)
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            # a fresh accumulator, added: (64, H) adds, against initializing one from `acc`
+            acc = (acc * lax.broadcast_in_dim(alpha, (rows, head_dim), [0])
+                   + mma(p.astype(q_smem.dtype), v_smem.at[slot], (rows, head_dim)))
+            # the slot's MMAs are done (their results were read): refill it for a later step
+            pl.when(step + num_stages < num_steps)(
+                functools.partial(fetch, step + num_stages, slot))
+            return acc, m_new, denom
+
+        init = (layout_cast(jnp.zeros((rows, head_dim), jnp.float32), layout),
+                layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), layout.reduce(1)),
+                layout_cast(jnp.zeros((rows,), jnp.float32), layout.reduce(1)))
+        acc, _, denom = lax.fori_loop(0, num_steps, step_fn, init)
+        denom = jnp.where(denom == 0.0, 1.0, denom)
+        q_smem[...] = (acc / lax.broadcast_in_dim(denom, (rows, head_dim), [0])).astype(
+            q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[kh, tile])
+        plgpu.wait_smem_to_gmem(0)
+
+
+# ------------------------------------------------------------------------------------ call build
+
+
+def _interpret_params():
+    """Pallas' GPU interpreter (CPU): its parameters live in a private module of this JAX."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _build(num_tiles: int, kv_heads: int, head_dim: int, dtype, *, groups: int, page: int,
+           pages_per_step: int, num_stages: int, scale: float, interpret: bool):
+    keys = page * pages_per_step
+    # 128-byte swizzled tiles of 8 rows: the layout warpgroup MMAs read shared memory in
+    swizzle_elems = 128 // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+    kernel = functools.partial(_kernel, groups=groups, pages_per_step=pages_per_step,
+                               num_stages=num_stages, scale=scale, interpret=interpret)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((kv_heads, num_tiles, TILE_ROWS, head_dim), dtype),
+        scratch_types=(
+            plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, keys, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, keys, head_dim), dtype, transforms=transforms),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+        ),
+        grid=(num_tiles, kv_heads),
+        grid_names=("tile", "kv"),
+        interpret=_interpret_params() if interpret else None,
+    )
+
+
+# ---------------------------------------------------------------------------------- public entry
+
+
+@functools.partial(jax.jit, static_argnames=("pages_per_step", "num_stages", "interpret",
+                                             "scale"))
+def ragged_paged_attention_mosaic(
+    q: jax.Array,  # (T, N, H)
+    k_pages: jax.Array,  # (L, P, B, K, H)
+    v_pages: jax.Array,  # (L, P, B, K, H)
+    layer: jax.Array,  # () int32
+    md: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    pages_per_step: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+) -> jax.Array:  # (T, N, H)
+    """Attention of one step's ragged query rows over the paged KV pool (the contract of
+    pallas_attention.ragged_paged_attention); bfloat16 or float16, f32 accumulation."""
+    check_attention_inputs(q, k_pages, v_pages, md)
+    t, n, h = q.shape
+    page, kv_heads = k_pages.shape[2], k_pages.shape[3]
+    groups = n // kv_heads
+    why = supports(q.dtype, h, groups, page, pages_per_step)
+    if why:
+        raise ValueError(f"attention_backend 'mosaic': {why}")
+    scale = h**-0.5 if scale is None else scale
+    tokens = TILE_ROWS // groups
+    num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
+    call = _build(num_tiles, kv_heads, h, q.dtype, groups=groups, page=page,
+                  pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
+                  interpret=interpret)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
+               fold_queries(q, kv_heads, TILE_ROWS), k_pages, v_pages)  # (K, NT, 64, H)
+    return unfold_tiles(out, md, tokens, groups)
