@@ -294,7 +294,8 @@ class Scheduler:
             if demand >= budget:
                 break
             demand += seq.num_uncomputed_tokens
-        return spec.plan(eligible, min(demand, budget), budget, self.config.max_model_len)
+        return spec.plan(eligible, min(demand, budget), budget, self.config.max_model_len,
+                         num_decodes=len(decodes))
 
     def _allocate(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
         """Grow `seq`'s blocks; cached blocks evicted for it spill to the host tier."""

@@ -16,14 +16,20 @@ returns k placeholder tokens that the step replaces with the draft's.
 **Load-adaptive k.** A step's time is that of its program, chosen by its padded token count:
 the policy keeps a running mean of each token bucket's decode step time, measured by the engine
 itself. With B speculating sequences, k proposed tokens each and a per-token acceptance rate a
-(a running mean), a step yields B * (1 - a^(k+1)) / (1 - a) tokens in the time of the bucket
-that holds its rows plus B * k. Each step takes the k in [1, num_speculative_tokens] that
-maximizes that rate within the step's token budget, if it beats k = 0 by 10% (else 0). A
-bucket no decode step has measured takes its time from steps that also prefilled, else is
-assumed to cost in proportion to its tokens (as a compute-bound device would). At low load
-a step's time is mostly streaming the weights, larger buckets cost little more, and k goes up;
-when the batch is compute-bound a bucket twice as large costs about twice as much, so extra
-rows must be accepted at nearly every position to pay, and k drops to 0.
+(a running mean), the step yields B * (a + ... + a^k) tokens more than without proposals, and
+costs est(rows + B * k) - est(rows) more. An accepted token is worth what a token costs when
+every decoding sequence makes one per step, est(D) / D for D decodes: it is one the sequences
+will not have to make later. Each step takes the k in [1, num_speculative_tokens] (within the
+step's token budget) with the largest worth minus cost, if its worth beats its cost by 10%
+(else 0). Marginal, not per-step rates: a step that also carries prompt tokens is slow for
+them, which must not make its extra rows look cheap.
+
+est(tokens) is the bucket's measured decode-step time; between and past measured buckets, the
+line through the nearest two; with fewer than two measured, the time of steps that also
+prefilled, else a cost in proportion to the tokens (as a compute-bound device would pay). At low
+load a step's time is mostly streaming the weights, larger buckets cost little more, and k goes
+up; when the batch is compute-bound extra rows cost what the tokens they save would, and k drops
+to 0.
 """
 
 from __future__ import annotations
@@ -102,8 +108,8 @@ class AdaptivePolicy:
     def __init__(self, max_k: int, token_buckets: tuple[int, ...], adaptive: bool = True,
                  smoothing: float = 0.2, margin: float = 1.1):
         self.max_k = max_k
-        # a k > 0 must promise this much more than k = 0: the estimates are noisy, and a step
-        # that speculates also costs host work and a larger head the estimate does not hold
+        # a k > 0's tokens must be worth this much more than its extra time: the estimates are
+        # noisy, and proposing and verifying cost host work the estimate does not hold
         self.margin = margin
         self.buckets = tuple(sorted(token_buckets))
         self.adaptive = adaptive
@@ -131,23 +137,31 @@ class AdaptivePolicy:
             self.acceptance += w * (accepted / proposed - self.acceptance)
 
     def estimate(self, tokens: int) -> float:
-        """The expected time of a step of `tokens`: its bucket's measured decode-step time,
-        else its measured time in steps that also prefilled, else the largest smaller
-        measured bucket's scaled up in proportion to the tokens (as if compute-bound), else 0
-        (nothing known yet)."""
+        """The expected time of a step of `tokens` (see the module docstring); 0 when nothing
+        is known yet."""
         b = self.bucket(tokens)
-        for table in (self.step_time, self.mixed_time):
-            if b in table:
-                return table[b]
+        if b in self.step_time:
+            return self.step_time[b]
+        if len(self.step_time) >= 2:
+            xs = sorted(self.step_time)
+            # the segment through the nearest two measured buckets, extended past the ends
+            i = min(max(bisect.bisect_left(xs, b), 1), len(xs) - 1)
+            x0, x1 = xs[i - 1], xs[i]
+            y0, y1 = self.step_time[x0], self.step_time[x1]
+            return max(0.0, y0 + (y1 - y0) * (b - x0) / (x1 - x0))
+        if b in self.mixed_time:
+            return self.mixed_time[b]
         below = [x for x in (*self.step_time, *self.mixed_time) if x < b]
         if not below:
             return 0.0
         x = max(below)
         return self.step_time.get(x, self.mixed_time.get(x)) * b / x
 
-    def choose_k(self, num_seqs: int, other_tokens: int, budget: int) -> int:
+    def choose_k(self, num_seqs: int, other_tokens: int, budget: int,
+                 num_decodes: int | None = None) -> int:
         """k for each of `num_seqs` speculating sequences in a step whose other rows hold
-        `other_tokens` tokens, with `budget` tokens in all."""
+        `other_tokens` tokens, with `budget` tokens in all; `num_decodes`: the decoding
+        sequences (default `num_seqs`), whose plain step prices a token."""
         if num_seqs <= 0:
             return 0
         room = (budget - other_tokens - num_seqs) // num_seqs
@@ -155,15 +169,19 @@ class AdaptivePolicy:
         if not self.adaptive or top == 0:
             return top
         a = min(max(self.acceptance, 0.0), 0.99)
+        decodes = max(num_decodes or num_seqs, 1)
+        worth = self.estimate(decodes) / decodes  # of one token
         base = other_tokens + num_seqs
+        t0 = self.estimate(base)
 
-        def rate(k: int) -> float:
-            expected = (1 - a ** (k + 1)) / (1 - a)  # tokens per sequence
-            return num_seqs * expected / max(self.estimate(base + num_seqs * k), 1e-9)
+        def gain(k: int) -> tuple[float, float]:  # (worth of the extra tokens, extra time)
+            extra = num_seqs * (a - a ** (k + 1)) / (1 - a)  # a + ... + a^k per sequence
+            return extra * worth, max(0.0, self.estimate(base + num_seqs * k) - t0)
 
-        # ties (all unmeasured) go to the larger k, which then gets measured
-        best = max(range(top, 0, -1), key=rate)
-        return best if rate(best) > self.margin * rate(0) else 0
+        # on ties (rows free within the bucket) the larger k, which gains more tokens
+        best = max(range(top, 0, -1), key=lambda k: gain(k)[0] - gain(k)[1])
+        saved, cost = gain(best)
+        return best if saved > 0 and saved > self.margin * cost else 0
 
 
 class Speculator:
@@ -186,10 +204,10 @@ class Speculator:
         return not seq.num_pending and (not p.processes_logits
                                         or (self.checks_grammar and p.grammar_only))
 
-    def plan(self, seqs: list, other_tokens: int, budget: int,
-             max_model_len: int) -> dict[str, list[int]]:
+    def plan(self, seqs: list, other_tokens: int, budget: int, max_model_len: int,
+             num_decodes: int | None = None) -> dict[str, list[int]]:
         """request id -> proposed tokens, for the eligible `seqs` that get a proposal."""
-        k = self.policy.choose_k(len(seqs), other_tokens, budget)
+        k = self.policy.choose_k(len(seqs), other_tokens, budget, num_decodes)
         if k == 0:
             return {}
         plans = {}

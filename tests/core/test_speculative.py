@@ -21,26 +21,43 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
     assert p.propose([1, 2], k=0) == [] and p.propose([4]) == []
 
 
+def _policy(cost, acceptance=0.6) -> AdaptivePolicy:
+    policy = AdaptivePolicy(4, BUCKETS)
+    for t in BUCKETS:
+        policy.record_step(t, cost(t))
+    policy.acceptance = acceptance
+    return policy
+
+
 def test_policy_speculates_when_steps_cost_the_same_and_stops_when_they_scale():
-    light = AdaptivePolicy(4, BUCKETS)
-    for t in BUCKETS:  # a memory-bound device: every bucket costs about the same
-        light.record_step(t, 0.020 + t * 1e-6)
-    light.acceptance = 0.6
+    # a memory-bound device: every bucket costs about the same
+    light = _policy(lambda t: 0.020 + t * 1e-6)
     assert light.choose_k(num_seqs=1, other_tokens=0, budget=512) == 4
-    heavy = AdaptivePolicy(4, BUCKETS)
-    for t in BUCKETS:  # compute-bound: time grows with the tokens
-        heavy.record_step(t, 0.002 + t * 2e-3)
-    heavy.acceptance = 0.6
+    assert light.choose_k(num_seqs=64, other_tokens=0, budget=512) == 4
+    # compute-bound: time grows with the tokens, and extra rows cost what they would save
+    heavy = _policy(lambda t: 0.002 + t * 2e-3)
     assert heavy.choose_k(num_seqs=64, other_tokens=0, budget=512) == 0
+    assert heavy.choose_k(num_seqs=1, other_tokens=0, budget=512) == 4  # within bucket 8
     # the budget bounds k: 64 rows plus 64 * k proposals within 256 tokens
     assert light.choose_k(num_seqs=64, other_tokens=0, budget=256) == 3
     assert light.choose_k(num_seqs=4, other_tokens=510, budget=512) == 0
 
 
-def test_policy_prices_an_unmeasured_bucket_from_prefill_steps_or_by_its_tokens():
+def test_prompt_tokens_in_the_step_do_not_make_extra_rows_look_cheap():
+    """64 decodes and 192 prompt tokens on a compute-bound device: per step, 64 + 4 * 64 rows
+    look like more tokens per second (the prompt's time is paid either way), but each extra row
+    costs more than the tokens it is expected to save would cost in plain decode steps."""
+    heavy = _policy(lambda t: 0.002 + t * 2e-3)
+    assert heavy.choose_k(num_seqs=64, other_tokens=192, budget=512, num_decodes=64) == 0
+    # the same step on a device where rows are nearly free: speculate
+    light = _policy(lambda t: 0.020 + t * 1e-6)
+    assert light.choose_k(num_seqs=64, other_tokens=192, budget=512, num_decodes=64) == 4
+
+
+def test_policy_prices_unmeasured_buckets_by_measured_decode_steps_first():
     policy = AdaptivePolicy(4, BUCKETS)
     policy.acceptance = 0.7
-    assert policy.choose_k(64, 0, 512) == 4  # nothing known: every step costs the same
+    assert policy.choose_k(64, 0, 512) == 0  # nothing measured: no token has a worth yet
     policy.record_step(64, 0.10)  # 64 decodes alone
     # 64 + 64 * k rows: buckets no step has measured, priced in proportion to their tokens
     assert policy.choose_k(64, 0, 512) == 0
@@ -48,8 +65,10 @@ def test_policy_prices_an_unmeasured_bucket_from_prefill_steps_or_by_its_tokens(
     # device): the bucket is cheap, so speculating pays
     policy.record_step(500, 0.11, decode_only=False)
     assert policy.choose_k(64, 0, 512) == 4
-    # verifying steps measured at that bucket cost far more: back to no speculation
-    policy.record_step(320, 0.50)
+    # two decode buckets measured: the line through them prices the others (prefill steps no
+    # longer do), here 0.1 s + 1.25 ms per token past 64: extra rows cost more than they save
+    policy.record_step(128, 0.18)
+    assert abs(policy.estimate(512) - 0.66) < 1e-9 and abs(policy.estimate(8) - 0.03) < 1e-9
     assert policy.choose_k(64, 0, 512) == 0
 
 
