@@ -109,6 +109,7 @@ def main() -> None:
             prop = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
             # the policy's choices: how many steps verified proposals, at what mean k
             steps = after["num_steps"] - before["num_steps"]
+            preempted = after["num_preemptions"] - before["num_preemptions"]
             spec_steps = after["spec_steps"] - before["spec_steps"]
             failed = [r.error for r in res if r.error]
             if failed:
@@ -121,8 +122,8 @@ def main() -> None:
             print(f"{name:>10} c={c:<3} {r['output_tok_per_s']:7.1f} tok/s  TPOT p50 "
                   f"{r['tpot_p50_s'] * 1e3:6.1f} ms  proposed {prop:6d}  acceptance "
                   f"{r['acceptance']:.2f}  tokens per verifying row {r['per_row']:.2f}  "
-                  f"steps speculating {r['spec_share']:4.0%} at mean k {r['mean_k']:.2f}",
-                  flush=True)
+                  f"steps speculating {r['spec_share']:4.0%} at mean k {r['mean_k']:.2f}  "
+                  f"preemptions {preempted}", flush=True)
             if engine.speculator is not None and engine.speculator.policy.adaptive:
                 policy = engine.speculator.policy  # what its choices rested on
                 table = lambda t: " ".join(f"{b}:{x * 1e3:.0f}" for b, x in sorted(t.items()))  # noqa: E731
