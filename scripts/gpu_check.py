@@ -213,8 +213,8 @@ def end_to_end(dry_run: bool) -> dict:
 
     with tempfile.TemporaryDirectory() as out:
         argv = ["--dtype", "float32" if dry_run else "bfloat16", "--out-dir", out,
-                "--no-progress"] + (["--num-requests", "4", "--output-len", "fixed:8"]
-                                    if dry_run else [])
+                "--no-progress"] + (["--num-requests", "4", "--output-len", "fixed:8",
+                                     "--no-warmup"] if dry_run else [])
         t0 = time.perf_counter()
         bench_main(argv)
         with open(os.path.join(out, "bench.json")) as f:
