@@ -120,6 +120,11 @@ def fold_queries(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
     return jnp.pad(folded.reshape(kv_heads, t * (n // kv_heads), h), ((0, 0), (0, rows), (0, 0)))
 
 
+def tile_rows(groups: int, least: int) -> int:
+    """Rows of a folded tile: a power of two, at least `least`, that holds the G heads."""
+    return max(least, 1 << (groups - 1).bit_length())
+
+
 def folded_tiles(md: AttentionMetadata, num_rows: int, tokens: int):
     """(number of tiles, tile -> sequence, tile -> first token) for `num_rows` query rows cut
     into tiles of `tokens` tokens; a sequence adds at most one partial tile."""

@@ -31,6 +31,7 @@ from kernels.metadata import (
     fold_queries,
     folded_tiles,
     tile_extent,
+    tile_rows,
     unfold_tiles,
 )
 
@@ -141,7 +142,7 @@ def ragged_paged_attention(
     kv_heads = k_pages.shape[3]
     groups = n // kv_heads
     scale = h**-0.5 if scale is None else scale
-    rows = max(block_q, 1 << (groups - 1).bit_length())  # a power of two holding G heads
+    rows = tile_rows(groups, block_q)
     tokens = rows // groups
     num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
     call = _build(num_tiles, rows, h, kv_heads, groups, q.dtype, scale=scale,

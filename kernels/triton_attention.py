@@ -23,6 +23,7 @@ from kernels.metadata import (
     check_attention_inputs,
     fold_queries,
     folded_tiles,
+    tile_rows,
     unfold_tiles,
 )
 
@@ -135,7 +136,7 @@ def plan_launch(q, k_pages, layer, md: AttentionMetadata, *, scale: float | None
     _, p, b, kv_heads, _ = k_pages.shape
     groups = n // kv_heads
     scale = h**-0.5 if scale is None else scale
-    rows = max(block_q, 1 << (groups - 1).bit_length())  # a power of two holding G heads
+    rows = tile_rows(groups, block_q)
     tokens = rows // groups
     num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
     q_fold = fold_queries(q, kv_heads, rows)
