@@ -174,13 +174,13 @@ class AdaptivePolicy:
         base = other_tokens + num_seqs
         t0 = self.estimate(base)
 
-        def gain(k: int) -> tuple[float, float]:  # (worth of the extra tokens, extra time)
+        gains = {}  # k -> (worth of the extra tokens, extra time)
+        for k in range(top, 0, -1):
             extra = num_seqs * (a - a ** (k + 1)) / (1 - a)  # a + ... + a^k per sequence
-            return extra * worth, max(0.0, self.estimate(base + num_seqs * k) - t0)
-
+            gains[k] = extra * worth, max(0.0, self.estimate(base + num_seqs * k) - t0)
         # on ties (rows free within the bucket) the larger k, which gains more tokens
-        best = max(range(top, 0, -1), key=lambda k: gain(k)[0] - gain(k)[1])
-        saved, cost = gain(best)
+        best = max(gains, key=lambda k: gains[k][0] - gains[k][1])
+        saved, cost = gains[best]
         return best if saved > 0 and saved > self.margin * cost else 0
 
 
