@@ -267,7 +267,7 @@ class ModelRunner:
                 out = sample_rows(logits if self.mesh is None
                                   else sharding.gather_once(logits, self.mesh))
             else:
-                out = self._sample_or_verify(hidden, head_logits, sample_rows, inp,
+                out = self._sample_or_verify(hidden, head_logits, inp,
                                              max_logprobs)
         with jax.named_scope("prompt_logprobs"):
             prompt = prompt_logprobs(head_logits, hidden, inp.prompt_targets, max_logprobs)
@@ -285,7 +285,7 @@ class ModelRunner:
         return KVCache(k, v), logits
 
     @staticmethod
-    def _sample_or_verify(hidden, head_logits, sample_rows, inp: StepInputs,
+    def _sample_or_verify(hidden, head_logits, inp: StepInputs,
                           max_logprobs: int) -> SamplerOutput:
         """Verify a step's proposals (runtime/speculative.py): its program has K > 0, which
         the host gives only a step that has some. (A step without runs the plain program:
@@ -293,19 +293,14 @@ class ModelRunner:
         small batch ~10% slower on a CPU, measured.)"""
         spec = inp.spec
         s, k1 = spec.verify_rows.shape
-        rows = spec.verify_rows.reshape(-1)
-        if hidden.shape[0] <= rows.shape[0]:  # fewer query rows than row slots
-            raw = head_logits(hidden)[rows]
+        if hidden.shape[0] <= s * k1:  # fewer query rows than row slots: the head on them all
+            x, idx = head_logits(hidden), spec.verify_rows
         else:
-            raw = head_logits(hidden[rows])
-        raw = raw.reshape(s, k1, -1)
-        # Position 0 processes its logits as always; a row that proposes processes none but a
-        # grammar's mask, which the host made for every position of its proposal.
-        first = logits_processing.apply(raw[:, 0], inp.processing)
-        rest = jax.lax.cond(spec.masked, logits_processing.masked, lambda x, _: x,
-                            raw[:, 1:], spec.mask)
-        processed = jnp.concatenate([first[:, None], rest], axis=1)
-        return verify(processed, raw, spec, inp.sampling, max_logprobs, inp.processing.min_p)
+            x, idx = head_logits(hidden[spec.verify_rows.reshape(-1)]), \
+                jnp.arange(s * k1, dtype=jnp.int32).reshape(s, k1)
+        # position 0 processes its logits as a plain step does
+        first = logits_processing.apply(x[idx[:, 0]], inp.processing)
+        return verify(x, idx, first, spec, inp.sampling, max_logprobs, inp.processing.min_p)
 
     # -------------------------------------------------------------------------------- compile
 

@@ -7,6 +7,7 @@ so a request's samples do not depend on which other requests share the batch or 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,13 +114,15 @@ def sampling_logits(logits: jax.Array, si: SamplingInputs,
     return filtered
 
 
-def logprobs_of(raw: jax.Array, tokens: jax.Array, want: jax.Array, max_logprobs: int):
-    """raw (N, V) logits, tokens (N,) -> (the tokens' logprobs (N,), top ids (N, k), top
-    logprobs (N, k)), computed only when `want` (else zeros)."""
-    n = raw.shape[0]
+def logprobs_of(raw: jax.Array | Callable[[], jax.Array], tokens: jax.Array, want: jax.Array,
+                max_logprobs: int):
+    """raw (N, V) logits (or a function that makes them, called only when wanted), tokens
+    (N,) -> (the tokens' logprobs (N,), top ids (N, k), top logprobs (N, k)), computed only
+    when `want` (else zeros)."""
+    n = tokens.shape[0]
 
     def compute():
-        logp = jax.nn.log_softmax(raw, axis=-1)
+        logp = jax.nn.log_softmax(raw() if callable(raw) else raw, axis=-1)
         chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
         return chosen, top_ids.astype(jnp.int32), top_lp

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.runtime import logits_processing
 from jaxserve.runtime.kv_cache import KVCache
 from jaxserve.runtime.sampling import (
     SamplerOutput,
@@ -60,27 +61,48 @@ class SpecInputs:
     masked: jax.Array
 
 
-def verify(logits: jax.Array, raw: jax.Array, spec: SpecInputs, si: SamplingInputs,
-           max_logprobs: int, min_p: jax.Array | None = None) -> SamplerOutput:
-    """logits (S, K + 1, V): what rows sample from (processed), raw: the model's own (for
-    logprobs) -> up to K + 1 tokens per row."""
-    s, k1, v = logits.shape
-    flat = logits.reshape(s * k1, v)
-    per_pos = lambda a: jnp.repeat(a, k1)  # (S,) -> (S * K1,), position-major within a row
+def verify(x: jax.Array, idx: jax.Array, first: jax.Array, spec: SpecInputs,
+           si: SamplingInputs, max_logprobs: int,
+           min_p: jax.Array | None = None) -> SamplerOutput:
+    """x (N, V): the model's logits for the step's rows; idx (S, K + 1): position j of row s
+    is x[idx[s, j]]; first (S, V): position 0's logits, processed as a plain step's are ->
+    up to K + 1 tokens per row.
+
+    A greedy step without a grammar needs only each position's argmax, taken over x's rows and
+    then gathered as ids. The (S, K + 1, V) logits are gathered only in the branches that need
+    them (a grammar's masks, a sampled row, logprobs): on a CPU each copy of them, mostly
+    padding slots, cost a verifying step about a third of a plain one (measured)."""
+    s, k1 = idx.shape
+    v = x.shape[-1]
     pos = jnp.arange(k1)
-    flat_si = SamplingInputs(
-        temperature=per_pos(si.temperature), top_p=per_pos(si.top_p),
-        top_k=per_pos(si.top_k), seeds=per_pos(si.seeds),
-        steps=(si.steps[:, None] + pos[None, :]).reshape(-1), samples=per_pos(si.samples),
-        want_logprobs=si.want_logprobs)
-    greedy = jnp.argmax(flat, axis=-1).astype(jnp.int32).reshape(s, k1)
+
+    def processed():  # (S, K1, V): what each position samples from
+        # a row that proposes processes none of its later positions' logits but a grammar's
+        # mask, which the host made for every position of its proposal
+        rest = jax.lax.cond(spec.masked, logits_processing.masked, lambda x, _: x,
+                            x[idx[:, 1:]], spec.mask)
+        return jnp.concatenate([first[:, None], rest], axis=1)
+
+    def argmax_gathered():
+        return jnp.concatenate([jnp.argmax(first, axis=-1)[:, None],
+                                jnp.argmax(x, axis=-1)[idx[:, 1:]]], axis=1)
+
+    greedy = jax.lax.cond(spec.masked, lambda: jnp.argmax(processed(), axis=-1),
+                          argmax_gathered).astype(jnp.int32)  # (S, K1)
     # the proposal each position checks (the last position has none: its token is a bonus)
     drafts = jnp.concatenate([spec.draft_tokens, jnp.zeros((s, 1), jnp.int32)], axis=1)
     has_draft = pos[None, :] < spec.num_drafts[:, None]  # (S, K1)
     sampled_rows = si.temperature > 0
 
     def draw():
-        filtered = sampling_logits(flat, flat_si, None if min_p is None else per_pos(min_p))
+        per_pos = lambda a: jnp.repeat(a, k1)  # (S,) -> (S * K1,), position-major in a row
+        flat_si = SamplingInputs(
+            temperature=per_pos(si.temperature), top_p=per_pos(si.top_p),
+            top_k=per_pos(si.top_k), seeds=per_pos(si.seeds),
+            steps=(si.steps[:, None] + pos[None, :]).reshape(-1), samples=per_pos(si.samples),
+            want_logprobs=si.want_logprobs)
+        filtered = sampling_logits(processed().reshape(s * k1, v), flat_si,
+                                   None if min_p is None else per_pos(min_p))
         logp = jax.nn.log_softmax(filtered, axis=-1)  # (S*K1, V)
         d = drafts.reshape(-1)
         p_draft = jnp.exp(jnp.take_along_axis(logp, d[:, None], axis=-1)[:, 0])
@@ -100,12 +122,11 @@ def verify(logits: jax.Array, raw: jax.Array, spec: SpecInputs, si: SamplingInpu
     tokens = jnp.where(accept, drafts, own)  # (S, K1): position j's token if it is reached
     num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)
     num_tokens = jnp.where(si.samples, num_accepted + 1, 0).astype(jnp.int32)
-    chosen, top_ids, top_lp = logprobs_of(raw.reshape(s * k1, v), tokens.reshape(-1),
+    chosen, top_ids, top_lp = logprobs_of(lambda: x[idx.reshape(-1)], tokens.reshape(-1),
                                           si.want_logprobs, max_logprobs)
     return SamplerOutput(tokens, num_tokens, chosen.reshape(s, k1),
                          top_ids.reshape(s, k1, max_logprobs),
                          top_lp.reshape(s, k1, max_logprobs))
-
 
 
 def draft_proposals(run_draft: DraftFn, kv: KVCache, ids: jax.Array, md: AttentionMetadata,

@@ -26,6 +26,22 @@ def _inputs(n: int, temperature: float, seeds, drafts, num_drafts, k: int):
     return si, spec
 
 
+def _packed(logits, num_drafts):
+    """(S, K + 1, V) logits -> the step's rows as the runner holds them: each sequence's
+    1 + num_drafts rows one after another, and the (S, K + 1) map into them that repeats a
+    sequence's last row in its unused slots."""
+    rows, idx = [], []
+    for s, n in enumerate(num_drafts):
+        idx.append([len(rows) + min(j, n) for j in range(logits.shape[1])])
+        rows += [logits[s, j] for j in range(n + 1)]
+    return np.stack(rows), np.asarray(idx, np.int32)
+
+
+def _verify(logits, num_drafts, spec, si, max_logprobs):
+    x, idx = _packed(logits, num_drafts)
+    return jax.jit(verify, static_argnums=5)(x, idx, x[idx[:, 0]], spec, si, max_logprobs)
+
+
 def test_greedy_keeps_the_prefix_that_matches_the_argmaxes():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 4, V)).astype(np.float32)
@@ -34,14 +50,17 @@ def test_greedy_keeps_the_prefix_that_matches_the_argmaxes():
     drafts[1, 1] = (best[1, 1] + 1) % V  # row 1: the second proposal is wrong
     drafts[2, 0] = (best[2, 0] + 1) % V  # row 2: the first is
     si, spec = _inputs(4, 0.0, range(4), drafts, [3, 3, 3, 2], 3)
-    out = jax.jit(verify, static_argnums=4)(logits, logits, spec, si, 2)
+    out = _verify(logits, [3, 3, 3, 2], spec, si, 2)
     tokens, n = np.asarray(out.tokens), np.asarray(out.num_tokens)
     assert n.tolist() == [4, 2, 1, 3]
     for row in range(4):  # each kept token is the target's argmax at its position
         assert tokens[row, :n[row]].tolist() == best[row, :n[row]].tolist()
     lp = jax.nn.log_softmax(logits, -1)
-    np.testing.assert_allclose(np.asarray(out.logprobs)[0],
-                               np.take_along_axis(lp[0], best[0][:, None], -1)[:, 0], atol=1e-5)
+    for row, k in enumerate([3, 3, 3, 2]):  # logprobs of each real position's token
+        np.testing.assert_allclose(
+            np.asarray(out.logprobs)[row, :k + 1],
+            np.take_along_axis(lp[row, :k + 1], tokens[row, :k + 1, None], -1)[:, 0],
+            atol=1e-5)
 
 
 @pytest.mark.parametrize("draft", [0, 3])
@@ -54,7 +73,7 @@ def test_sampling_keeps_the_target_distribution(draft):
                               [0.3, 0.05, 0.05, 0.1, 0.2, 0.3]], np.float32))
     si, spec = _inputs(n, 1.0, np.arange(n), [draft] * n, [1] * n, 1)
     batch = np.broadcast_to(logits, (n, 2, V))
-    out = jax.jit(verify, static_argnums=4)(batch, batch, spec, si, 2)
+    out = _verify(batch, [1] * n, spec, si, 2)
     tokens, num = np.asarray(out.tokens), np.asarray(out.num_tokens)
     p = np.exp(logits.astype(np.float64))
     first = np.bincount(tokens[:, 0], minlength=V)
