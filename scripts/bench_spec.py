@@ -128,7 +128,8 @@ def main() -> None:
                 policy = engine.speculator.policy  # what its choices rested on
                 table = lambda t: " ".join(f"{b}:{x * 1e3:.0f}" for b, x in sorted(t.items()))  # noqa: E731
                 print(f"{'':>16}policy: acceptance {policy.acceptance:.2f}; step ms by token "
-                      f"bucket, decode-only {table(policy.step_time)}; with prefill "
+                      f"bucket, decode-only {table(policy.step_time)}; verifying "
+                      f"{table(policy.verify_time)}; with prefill "
                       f"{table(policy.mixed_time)}", flush=True)
         del engine
     print("\nconcurrency  " + "  ".join(f"{n:>22}" for n in configs))

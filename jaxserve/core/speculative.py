@@ -13,11 +13,12 @@ for free.
 inside the step (runtime/speculative.py), so the host only reserves the rows: the proposer
 returns k placeholder tokens that the step replaces with the draft's.
 
-**Load-adaptive k.** A step's time is that of its program, chosen by its padded token count:
-the policy keeps a running mean of each token bucket's decode step time, measured by the engine
-itself. With B speculating sequences, k proposed tokens each and a per-token acceptance rate a
-(a running mean), the step yields B * (a + ... + a^k) tokens more than without proposals, and
-costs est(rows + B * k) - est(rows) more. An accepted token is worth what a token costs when
+**Load-adaptive k.** A step's time is that of its program, chosen by its padded token count
+and whether it verifies: the policy keeps a running mean of each token bucket's decode step
+time, apart for steps that verify, measured by the engine itself. With B speculating
+sequences, k proposed tokens each and a per-token acceptance rate a (a running mean), the step
+yields B * (a + ... + a^k) tokens more than without proposals, and costs
+est_verify(rows + B * k) - est(rows) more. An accepted token is worth what a token costs when
 every decoding sequence makes one per step, est(D) / D for D decodes: it is one the sequences
 will not have to make later. Each step takes the k in [1, num_speculative_tokens] (within the
 step's token budget) with the largest worth minus cost, if its worth beats its cost by 10%
@@ -26,7 +27,10 @@ them, which must not make its extra rows look cheap.
 
 est(tokens) is the bucket's measured decode-step time; between and past measured buckets, the
 line through the nearest two; with fewer than two measured, the time of steps that also
-prefilled, else a cost in proportion to the tokens (as a compute-bound device would pay). At low
+prefilled, else a cost in proportion to the tokens (as a compute-bound device would pay).
+est_verify(tokens) is the bucket's measured verifying-step time, else est(tokens) times the
+mean ratio of the two where both are measured (a verifying program computes logits for every
+query row, not one per sequence). At low
 load a step's time is mostly streaming the weights, larger buckets cost little more, and k goes
 up; when the batch is compute-bound extra rows cost what the tokens they save would, and k drops
 to 0.
@@ -116,17 +120,20 @@ class AdaptivePolicy:
         self.smoothing = smoothing
         self.acceptance = 0.5  # per proposed token, a running mean; a neutral start
         self.step_time: dict[int, float] = {}  # token bucket -> running mean of decode steps
+        self.verify_time: dict[int, float] = {}  # ... of decode steps that verified proposals
         self.mixed_time: dict[int, float] = {}  # ... of steps that also prefilled
 
     def bucket(self, tokens: int) -> int:
         i = bisect.bisect_left(self.buckets, tokens)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
-    def record_step(self, num_tokens: int, seconds: float, decode_only: bool = True) -> None:
-        """A step's time (its program is chosen by its padded token count). Decode steps
-        (verifying ones included) are what k is chosen for; steps that also prefill only
-        stand in for a bucket no decode step has measured."""
-        table = self.step_time if decode_only else self.mixed_time
+    def record_step(self, num_tokens: int, seconds: float, decode_only: bool = True,
+                    verified: bool = False) -> None:
+        """A step's time (its program is chosen by its padded token count and whether it
+        verifies). Decode steps are what k is chosen for; steps that also prefill only stand
+        in for a bucket no decode step has measured."""
+        table = (self.mixed_time if not decode_only
+                 else self.verify_time if verified else self.step_time)
         b = self.bucket(num_tokens)
         old = table.get(b)
         table[b] = seconds if old is None else old + self.smoothing * (seconds - old)
@@ -137,8 +144,8 @@ class AdaptivePolicy:
             self.acceptance += w * (accepted / proposed - self.acceptance)
 
     def estimate(self, tokens: int) -> float:
-        """The expected time of a step of `tokens` (see the module docstring); 0 when nothing
-        is known yet."""
+        """The expected time of a plain step of `tokens` (see the module docstring); 0 when
+        nothing is known yet."""
         b = self.bucket(tokens)
         if b in self.step_time:
             return self.step_time[b]
@@ -156,6 +163,19 @@ class AdaptivePolicy:
             return 0.0
         x = max(below)
         return self.step_time.get(x, self.mixed_time.get(x)) * b / x
+
+    def estimate_verifying(self, tokens: int) -> float:
+        """The expected time of a decode step of `tokens` that verifies proposals: measured
+        for its bucket, else the plain estimate times the verifying programs' measured
+        overhead (their logits and verification), the mean ratio over buckets measured both
+        ways (1 until then)."""
+        b = self.bucket(tokens)
+        if b in self.verify_time:
+            return self.verify_time[b]
+        both = [x for x in self.verify_time if x in self.step_time and self.step_time[x] > 0]
+        ratio = (sum(self.verify_time[x] / self.step_time[x] for x in both) / len(both)
+                 if both else 1.0)
+        return self.estimate(tokens) * max(ratio, 1.0)
 
     def choose_k(self, num_seqs: int, other_tokens: int, budget: int,
                  num_decodes: int | None = None) -> int:
@@ -177,7 +197,8 @@ class AdaptivePolicy:
         gains = {}  # k -> (worth of the extra tokens, extra time)
         for k in range(top, 0, -1):
             extra = num_seqs * (a - a ** (k + 1)) / (1 - a)  # a + ... + a^k per sequence
-            gains[k] = extra * worth, max(0.0, self.estimate(base + num_seqs * k) - t0)
+            gains[k] = extra * worth, max(0.0, self.estimate_verifying(base + num_seqs * k)
+                                          - t0)
         # on ties (rows free within the bucket) the larger k, which gains more tokens
         best = max(gains, key=lambda k: gains[k][0] - gains[k][1])
         saved, cost = gains[best]

@@ -506,7 +506,7 @@ class LLMEngine:
         self.speculator.record(sum(n for _, n in rows),
                                sum(max(0, int(gained[i]) - 1) for i, _ in rows), len(rows))
         self.speculator.policy.record_step(sum(s.num_tokens for s in scheduled), seconds,
-                                           decode_only=not prefill)
+                                           decode_only=not prefill, verified=bool(rows))
 
     def metrics_snapshot(self) -> dict:
         """Engine-wide figures as a plain dict (what /metrics and the bench harness read)."""

@@ -72,6 +72,24 @@ def test_policy_prices_unmeasured_buckets_by_measured_decode_steps_first():
     assert policy.choose_k(64, 0, 512) == 0
 
 
+def test_verifying_steps_are_priced_by_their_own_measured_time():
+    """A verifying program computes more than a plain one of the same bucket (logits for every
+    query row): once measured, its time is what a proposal costs, and buckets it has not
+    measured are priced at the plain time times the measured ratio."""
+    policy = _policy(lambda t: 0.100 + t * 1e-4, acceptance=0.8)  # plain steps: nearly flat
+    assert policy.choose_k(num_seqs=64, other_tokens=0, budget=512) == 4
+    policy.record_step(128, 0.30, verified=True)  # 2.7x the plain step of bucket 128
+    assert abs(policy.estimate_verifying(128) - 0.30) < 1e-9
+    ratio = 0.30 / policy.estimate(128)
+    assert abs(policy.estimate_verifying(256) - policy.estimate(256) * ratio) < 1e-9
+    assert policy.estimate(128) < 0.12  # plain steps keep their own time
+    assert policy.choose_k(num_seqs=64, other_tokens=0, budget=512) == 0
+    # a verifying step that costs what a plain one does leaves the choice to the plain times
+    cheap = _policy(lambda t: 0.100 + t * 1e-4, acceptance=0.8)
+    cheap.record_step(128, cheap.estimate(128), verified=True)
+    assert cheap.choose_k(num_seqs=64, other_tokens=0, budget=512) == 4
+
+
 def test_a_fixed_policy_always_takes_the_most():
     policy = AdaptivePolicy(4, BUCKETS, adaptive=False)
     for t in BUCKETS:
