@@ -42,6 +42,11 @@ class LayerLoop(enum.StrEnum):
     UNROLL = "unroll"  # L layer bodies reading their weights in place: faster, slower to compile
 
 
+class Quantization(enum.StrEnum):
+    AUTO = "auto"  # a GGUF's block-quantized projections stay in their blocks (models/quant.py)
+    NONE = "none"  # every weight expanded to the float dtype at load
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = option(
@@ -92,6 +97,11 @@ class EngineConfig:
                         "layer reading its weights in place: on a CPU ~1.1x faster decode "
                         "steps, but ~3x the compile time and ~4x the time to load a program "
                         "from the compilation cache)")
+    quantization: Quantization = option(
+        Quantization.AUTO, "auto: a GGUF's layer projections in Q8_0, Q4_0 or Q4_1 stay in "
+                           "their blocks on the device (a quarter of the float32 bytes) and "
+                           "each step dequantizes them exactly before its matmuls, so outputs "
+                           "are those of the float weights; none: expand them at load")
     attention_backend: AttentionBackend = option(
         AttentionBackend.AUTO, "paged attention kernel (auto: on a GPU the first of "
                                "mosaic (Hopper), triton, pallas that can run, with a warning "
@@ -140,6 +150,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name, kind in (("attention_backend", AttentionBackend), ("layer_loop", LayerLoop),
+                           ("quantization", Quantization),
                            ("scheduling_policy", SchedulingPolicy),
                            ("preemption_mode", PreemptionMode)):
             value = getattr(self, name)

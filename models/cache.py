@@ -20,7 +20,7 @@ from typing import Any
 from models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-_FORMAT = 2  # bump when the param layout changes, so stale entries are ignored
+_FORMAT = 3  # bump when the param layout changes, so stale entries are ignored
 
 
 def cache_home() -> str | None:

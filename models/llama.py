@@ -28,6 +28,7 @@ from kernels.kv_write import write_kv
 from kernels.metadata import AttentionMetadata
 from kernels.reference import ragged_paged_attention_reference
 from models.config import ModelConfig, rope_inv_freq
+from models.quant import dequantize
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
@@ -66,15 +67,12 @@ class DecoderLayer(nn.Module):
         cfg, dt = self.cfg, self.dtype
         d, n, kh, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size)
-        init = nn.initializers.normal(0.02)
+        weight = self.weight
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x)
-        wq = self.param("wq", init, (d, n, h), dt)
-        wk = self.param("wk", init, (d, kh, h), dt)
-        wv = self.param("wv", init, (d, kh, h), dt)
-        q = jnp.einsum("TD,DNH->TNH", y, wq)
-        k = jnp.einsum("TD,DKH->TKH", y, wk)
-        v = jnp.einsum("TD,DKH->TKH", y, wv)
+        q = jnp.einsum("TD,DNH->TNH", y, weight("wq", (d, n, h)))
+        k = jnp.einsum("TD,DKH->TKH", y, weight("wk", (d, kh, h)))
+        v = jnp.einsum("TD,DKH->TKH", y, weight("wv", (d, kh, h)))
         if cfg.attention_bias:
             q = q + self.param("bq", nn.initializers.zeros, (n, h), dt)
             k = k + self.param("bk", nn.initializers.zeros, (kh, h), dt)
@@ -83,15 +81,23 @@ class DecoderLayer(nn.Module):
 
         k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
         attn = self.attn_fn(q, k_pages, v_pages, layer, md)  # (T, N, H)
-        wo = self.param("wo", init, (n, h, d), dt)
+        wo = weight("wo", (n, h, d))
         # One contraction over N*H: with two contracting dims XLA:CPU copies wo every step.
         x = x + attn.reshape(attn.shape[0], n * h) @ wo.reshape(n * h, d)
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
-        gate = jnp.einsum("TD,DF->TF", y, self.param("w_gate", init, (d, f), dt))
-        up = jnp.einsum("TD,DF->TF", y, self.param("w_up", init, (d, f), dt))
-        x = x + jnp.einsum("TF,FD->TD", nn.silu(gate) * up, self.param("w_down", init, (f, d), dt))
+        gate = jnp.einsum("TD,DF->TF", y, weight("w_gate", (d, f)))
+        up = jnp.einsum("TD,DF->TF", y, weight("w_up", (d, f)))
+        x = x + jnp.einsum("TF,FD->TD", nn.silu(gate) * up, weight("w_down", (f, d)))
         return (x, k_pages, v_pages, layer + 1), None
+
+    def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
+        """A projection in the compute dtype. Stored GGUF blocks (models/quant.py) are
+        dequantized here, inside the step, so only their int8 codes stream from memory (and,
+        under nn.scan, are sliced out of the layer stacks)."""
+        if self.has_variable("params", name):
+            return dequantize(self.get_variable("params", name), self.dtype)
+        return self.param(name, nn.initializers.normal(0.02), shape, self.dtype)
 
 
 def layout_params(params: dict, num_layers: int, scan_layers: bool) -> dict:

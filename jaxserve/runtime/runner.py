@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig, LayerLoop
+from jaxserve.config import EngineConfig, LayerLoop, Quantization
 from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.runtime import compile_cache, distributed, logits_processing, sharding
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
@@ -30,6 +30,7 @@ from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logp
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
 from kernels import select_attention
+from models import quant
 from models.llama import Transformer, head_weight, layout_params, lm_logits
 from models.loader import LoadedModel
 
@@ -114,8 +115,17 @@ class ModelRunner:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan)
-        as_step_params = lambda cfg, p: jax.tree.map(lambda a: np.asarray(a, self.dtype),
-                                                     layout_params(p, cfg.num_layers, scan))
+        keep_blocks = config.quantization is Quantization.AUTO
+
+        def as_step_params(cfg, p):
+            """The loader's tree in the step's layout: floats in the serving dtype, quantized
+            weights (models/quant.py) as they are, or expanded with quantization=none."""
+            p = layout_params(p, cfg.num_layers, scan)
+            if not keep_blocks:
+                p = quant.dequantize_tree(p)
+            return jax.tree.map(lambda a: a if quant.is_quantized(a) else np.asarray(a, self.dtype),
+                                p, is_leaf=quant.is_quantized)
+
         params = as_step_params(mc, params)
         self.draft_config = self._check_draft(config, loaded, draft)
         self.block_size = config.block_size

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.quant import is_quantized, map_planes
 
 AXIS = "model"
 Q_SPEC = P(None, AXIS, None)  # q / attention output (T, N, H): split by head
@@ -92,14 +93,18 @@ def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelC
     for name in _Q_PARAMS + _KV_PARAMS:
         if name not in layers:
             continue
-        a = np.asarray(layers[name])
-        axis = _head_axis(name)
+        axis = _head_axis(name)  # never a quantized weight's block axis: one plan for all planes
         if name in _KV_PARAMS and layout.kv_replicas > 1:
-            layers[name] = np.repeat(a, layout.kv_replicas, axis=axis)
+            layers[name] = map_planes(lambda a, ax=axis: np.repeat(np.asarray(a),
+                                                                   layout.kv_replicas, axis=ax),
+                                      layers[name])
         elif layout.pad_groups:
-            widths = [(0, 0)] * a.ndim
-            widths[axis] = (0, pad_q if name in _Q_PARAMS else layout.pad_groups)
-            layers[name] = np.pad(a, widths)
+            def pad(a, axis=axis, width=pad_q if name in _Q_PARAMS else layout.pad_groups):
+                widths = [(0, 0)] * np.ndim(a)
+                widths[axis] = (0, width)
+                return np.pad(np.asarray(a), widths)  # zero codes, scales and minima: zero rows
+
+            layers[name] = map_planes(pad, layers[name])
     cfg = dataclasses.replace(cfg, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
     return cfg, {**params, "layers": layers}
 
@@ -128,6 +133,10 @@ def param_specs(params: dict, vocab_size: int, tp: int) -> dict:
     def layer(tree, stacked):
         out = {}
         for name, leaf in tree.items():
+            if is_quantized(leaf):  # every plane split like the weight (block axes divide)
+                spec = P(None, *_LAYER_SPECS[name]) if stacked else _LAYER_SPECS[name]
+                out[name] = {k: spec for k in leaf}
+                continue
             if isinstance(leaf, dict):  # norms
                 out[name] = jax.tree.map(lambda _: P(), leaf)
                 continue

@@ -65,7 +65,9 @@ def test_default_gguf_config(smollm):
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size) == (30, 9, 3, 576)
     assert cfg.tie_word_embeddings and "lm_head" not in smollm.params
     assert 2 in cfg.eos_token_ids
-    assert smollm.params["layers"]["wq"].shape == (30, 576, 9, 64)
+    wq = smollm.params["layers"]["wq"]  # kept in its Q4_1 blocks (models/quant.py)
+    assert wq["q"].shape == (30, 576, 9, 64) and wq["q"].dtype == np.int8
+    assert wq["scale"].shape == wq["min"].shape == (30, 576 // 32, 9, 64)
 
 
 def test_rope_parameters_from_transformers5_config():
@@ -79,9 +81,12 @@ def test_rope_parameters_from_transformers5_config():
     assert "model.layers.0.self_attn.q_proj.weight" in expected_hf_shapes(cfg)
 
 
-def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
-    """A GGUF as llama.cpp's converter writes it: llama arch, q/k rows permuted for its RoPE."""
+def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
+                     qtypes: dict[str, str] | None = None) -> None:
+    """A GGUF as llama.cpp's converter writes it: llama arch, q/k rows permuted for its RoPE.
+    `qtypes`: a GGML type (e.g. "Q4_1") per HF name suffix, for tensors stored quantized."""
     import gguf
+    from gguf.quants import quantize
 
     def permute(w, heads):
         return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
@@ -116,7 +121,13 @@ def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig) -> 
                 arr = permute(arr, cfg.num_kv_heads)
         else:
             out = names[name]
-        w.add_tensor(out, np.ascontiguousarray(arr, np.float32))
+        arr = np.ascontiguousarray(arr, np.float32)
+        qtype = next((t for suffix, t in (qtypes or {}).items() if name.endswith(suffix)), None)
+        if qtype is None:
+            w.add_tensor(out, arr)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(out, quantize(arr, kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -172,3 +183,44 @@ def test_bfloat16_safetensors_load(tmp_path):
     want = model.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
     np.testing.assert_array_equal(got.params["layers"]["w_up"][1], want)
     assert got.params["layers"]["w_up"].dtype == np.float32
+
+
+def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_float_load(tmp_path, tiny_llama_dir,
+                                                                       monkeypatch):
+    """Q8_0 / Q4_0 / Q4_1 projections stay in their blocks; expanded, they are exactly the
+    weights of the same file read as float32 (gguf's own dequantizer), in every layout, q/k
+    un-permuted. wo's blocks would straddle heads of 16 dims, so it is float32."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from models.quant import dequantize_tree, is_quantized
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_model(tiny_llama_dir).config
+    tensors = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
+    qtypes = {"q_proj.weight": "Q8_0", "k_proj.weight": "Q4_0", "v_proj.weight": "Q4_1",
+              "o_proj.weight": "Q4_1", "gate_proj.weight": "Q4_1", "up_proj.weight": "Q8_0",
+              "down_proj.weight": "Q4_0"}
+    _write_tiny_gguf(tmp_path / "q.gguf", tensors, cfg, qtypes)
+    # The same values as float32: what the quantized file holds, through gguf's dequantizer.
+    held = dict(tensors)
+    for name, arr in tensors.items():
+        kind = next((t for sfx, t in qtypes.items() if name.endswith(sfx)), None)
+        if kind is not None:
+            t = gguf.GGMLQuantizationType[kind]
+            held[name] = dequantize(quantize(np.ascontiguousarray(arr, np.float32), t), t)
+    _write_tiny_gguf(tmp_path / "f.gguf", held, cfg)
+    for _ in range(2):  # converted, then from the cache
+        got = load_model(str(tmp_path / "q.gguf")).params
+        want = load_model(str(tmp_path / "f.gguf")).params
+        layers = got["layers"]
+        assert all(is_quantized(layers[k]) for k in ("wq", "wk", "wv", "w_gate", "w_up",
+                                                     "w_down"))
+        assert layers["w_gate"]["q"].dtype == np.int8 and not is_quantized(layers["wo"])
+        assert layers["w_down"]["scale"].shape == (2, 128 // 32, 64)  # blocks along F
+        flat = dequantize_tree(got)
+        assert sorted(flat["layers"]) == sorted(want["layers"])
+        for key, w in want["layers"].items():
+            w, f = (w["weight"], flat["layers"][key]["weight"]) if key.endswith("norm") else (
+                w, flat["layers"][key])
+            np.testing.assert_array_equal(f, w, err_msg=key)

@@ -1,0 +1,136 @@
+"""GGUF blocks kept quantized: decoded exactly as gguf dequantizes them, expanded identically in
+numpy and inside a jitted step, and an engine on them gives the float weights' exact outputs."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize
+from safetensors.numpy import load_file
+
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from models import quant
+from models.loader import default_model_path, load_model
+from tests.models.test_loader import _write_tiny_gguf
+
+
+def test_every_block_tensor_of_the_default_gguf_decodes_exactly():
+    reader = gguf.GGUFReader(default_model_path())
+    kinds = set()
+    for t in reader.tensors:
+        blocks = quant.decode(t.data, t.tensor_type.name, tuple(int(n) for n in t.shape[::-1]))
+        if t.tensor_type.name in ("F32", "F16"):
+            assert blocks is None
+            continue
+        kinds.add(t.tensor_type.name)
+        want = gguf_dequantize(t.data, t.tensor_type)
+        np.testing.assert_array_equal(blocks.dequantize(), want, err_msg=t.name)
+        assert blocks.q.dtype == np.int8 and blocks.scale.shape == (want.shape[0],
+                                                                    want.shape[1] // 32)
+    assert kinds == {"Q4_1", "Q8_0"}
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_each_kept_type_decodes_exactly(kind):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((12, 96)) * rng.uniform(0.01, 3, (12, 1))).astype(np.float32)
+    t = gguf.GGMLQuantizationType[kind]
+    raw = quantize(w, t)
+    blocks = quant.decode(raw, kind, w.shape)
+    np.testing.assert_array_equal(blocks.dequantize(), gguf_dequantize(raw, t))
+    lo, hi = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q8_0": (-128, 127)}[kind]
+    assert lo <= blocks.q.min() and blocks.q.max() <= hi
+
+
+def test_types_and_shapes_not_kept():
+    raw = quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q5_0)
+    assert quant.decode(raw, "Q5_0", (4, 64)) is None
+    assert quant.decode(np.zeros((4, 40), np.uint8), "Q8_0", (4, 40)) is None  # cols % 32
+
+
+@pytest.mark.parametrize("shape,axis", [((64, 3, 8), 0), ((3, 64, 8), 1), ((5, 96), 1)])
+def test_expanding_in_the_step_matches_numpy(shape, axis):
+    """Any block axis; jitted, as the model does it; and cast to a narrower compute dtype."""
+    rng = np.random.default_rng(1)
+    scale_shape = tuple(n // 32 if i == axis else n for i, n in enumerate(shape))
+    w = {"q": rng.integers(-128, 128, shape).astype(np.int8),
+         "scale": rng.uniform(1e-3, 1, scale_shape).astype(np.float16).astype(np.float32),
+         "min": rng.uniform(-1, 0, scale_shape).astype(np.float16).astype(np.float32)}
+    assert quant.block_axis(w) == axis
+    want = quant.dequantize_np(w)
+    # Block by block: q * scale + min with the block's own scale.
+    idx = [slice(None)] * len(shape)
+    idx[axis] = slice(32, 64)
+    sidx = list(idx)
+    sidx[axis] = slice(1, 2)
+    np.testing.assert_array_equal(want[tuple(idx)], w["q"][tuple(idx)].astype(np.float32)
+                                  * w["scale"][tuple(sidx)] + w["min"][tuple(sidx)])
+    got = jax.jit(quant.dequantize, static_argnums=1)(w, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    half = quant.dequantize(w, jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(half), want.astype(jnp.bfloat16))
+    assert quant.dequantize(want, jnp.float32) is want  # a float param passes through
+
+
+def test_planes_that_do_not_differ_by_a_block_are_refused():
+    bad = {"q": np.zeros((64, 8), np.int8), "scale": np.zeros((64, 8), np.float32),
+           "min": np.zeros((64, 8), np.float32)}
+    with pytest.raises(ValueError, match="32x along exactly one axis"):
+        quant.block_axis(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_gguf(tmp_path_factory, tiny_llama_dir):
+    d = tmp_path_factory.mktemp("tiny-q")
+    tensors = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
+    cfg = load_model(tiny_llama_dir).config
+    _write_tiny_gguf(d / "tiny-q4.gguf", tensors, cfg,
+                     {"proj.weight": "Q4_1", "down_proj.weight": "Q8_0"})
+    return str(d / "tiny-q4.gguf")
+
+
+def _run(model: str, **kw):
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=4, max_num_batched_tokens=64,
+                                    max_model_len=256, num_kv_blocks=64, **kw))
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for i, n in enumerate((5, 40, 17)):
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=rng.integers(
+            3, 500, int(n)).tolist())
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, c.logprobs)
+    assert engine.block_manager.num_used_blocks == 0
+    return engine, out
+
+
+def test_engine_on_kept_blocks_gives_the_float_weights_outputs(tiny_q4_gguf):
+    """quantization=auto (blocks on the device) and none (expanded at load): the same tokens
+    and the same logprobs, to the bit; the params take about a quarter of the bytes."""
+    kept, got = _run(tiny_q4_gguf)
+    expanded, want = _run(tiny_q4_gguf, quantization="none")
+    assert got == want
+    assert quant.is_quantized(kept.runner.params["layers"]["w_up"])
+    assert not quant.is_quantized(expanded.runner.params["layers"]["w_up"])
+    nbytes = lambda p: sum(a.nbytes for a in jax.tree.leaves(p["layers"]))  # noqa: E731
+    assert nbytes(kept.runner.params) < 0.4 * nbytes(expanded.runner.params)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (forced) devices")
+def test_kept_blocks_unrolled_and_split_over_devices(tiny_q4_gguf):
+    """Unrolled layers slice each plane per layer; tensor parallelism splits each plane like
+    its weight (kv heads replicated at tp 4). The same tokens as the scanned single device."""
+    _, want = _run(tiny_q4_gguf)
+    for tp in (1, 2, 4):
+        _, got = _run(tiny_q4_gguf, layer_loop="unroll", tensor_parallel_size=tp)
+        assert [g[0] for g in got.values()] == [w[0] for w in want.values()]
