@@ -24,7 +24,13 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop, Quantization
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.runtime import compile_cache, distributed, logits_processing, sharding
+from jaxserve.runtime import (
+    compile_cache,
+    distributed,
+    executable_cache,
+    logits_processing,
+    sharding,
+)
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
@@ -189,7 +195,13 @@ class ModelRunner:
         self._unused: dict[int, logits_processing.LogitsInputs] = {}
         self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
         self._executables: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}
-        self.num_compiles = 0
+        self.executable_cache = executable_cache.ExecutableCache.create(
+            self.compilation_cache_dir, "\n".join([
+                repr(config), repr(self.model_config), repr(self.draft_config),
+                executable_cache.abstract(self.step_params), executable_cache.abstract(self.pools),
+                executable_cache.abstract(self._last_tokens)]),
+            list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
+        self.num_compiles = 0  # programs lowered and compiled (XLA's own cache may serve those)
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
         self.is_warm = False
 
@@ -343,31 +355,54 @@ class ModelRunner:
             raise RecompileError(f"program {program} (tokens, sequences, blocks, proposal "
                                  f"slots) was not compiled at warmup")
         t0 = time.perf_counter()
-        exe = self._lower(program).compile()
+        exe = self._cached(program)
+        if exe is None:
+            exe = self._build(program, self._lower(program))
         self.compile_seconds += time.perf_counter() - t0
-        self.num_compiles += 1
         self._executables[program] = exe
         return exe
+
+    def _cached(self, program: tuple[int, int, int, int]) -> jax.stages.Compiled | None:
+        return None if self.executable_cache is None else self.executable_cache.load(program)
+
+    def _build(self, program: tuple[int, int, int, int],
+               lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        self.num_compiles += 1
+        if self.executable_cache is None:
+            return lowered.compile()
+        return self.executable_cache.compile(program, lowered)
+
+    @property
+    def num_loaded_executables(self) -> int:
+        """Programs that came whole from the executable cache (no tracing, no lowering)."""
+        return 0 if self.executable_cache is None else self.executable_cache.num_loaded
 
     def warmup(self) -> float:
         """Compile every program; returns seconds spent.
 
-        Tracing and lowering run one by one (they hold the GIL); XLA's compiles, or loads from
-        the compilation cache, run on a thread per core, since each mostly uses one."""
+        Programs in the executable cache load whole. The rest are traced and lowered one by one
+        (that holds the GIL); XLA's compiles, or loads from its compilation cache, run on a
+        thread per core, since each mostly uses one."""
         t0 = time.perf_counter()
-        todo = [p for p in self.all_programs() if p not in self._executables]
+        todo = []
+        for p in self.all_programs():
+            if p not in self._executables:
+                exe = self._cached(p)
+                if exe is None:
+                    todo.append(p)
+                else:
+                    self._executables[p] = exe
         lowered = [self._lower(p) for p in todo]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            for program, exe in zip(todo, pool.map(lambda low: low.compile(), lowered),
-                                    strict=True):
+            for program, exe in zip(todo, pool.map(self._build, todo, lowered), strict=True):
                 self._executables[program] = exe
-        self.num_compiles += len(todo)
         self.compile_seconds += time.perf_counter() - t0
         if self.host_pool is not None:
             self.pools = self.host_pool.warmup(self.pools)
         self.is_warm = True
         dt = time.perf_counter() - t0
-        logger.info("warmup: %d programs in %.1fs", len(self._executables), dt)
+        logger.info("warmup: %d programs in %.1fs (%d loaded whole from the executable cache)",
+                    len(self._executables), dt, self.num_loaded_executables)
         return dt
 
     # ----------------------------------------------------------------------------------- swap
