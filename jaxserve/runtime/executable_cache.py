@@ -17,9 +17,12 @@ under a key of everything that decides the program, without building it:
 An entry that fails to load is removed and its program built again. Only programs that XLA
 really compiled are stored: an executable that XLA:CPU loaded from JAX's cache serializes without
 its kernels (it then fails at run time with "Function ... not found"), so a program that came
-from JAX's cache is left to it. Entries live beside JAX's cache (`<compilation cache
-dir>/executables`) and are off with it. Only single-process runs use them: across processes every
-peer builds its programs together.
+from JAX's cache is left to it. The runner names its step after the source digest, so after an
+upgrade JAX's cache misses too and the program is compiled, and stored here, once. (A changed
+setting that leaves the HLO as it was still finds JAX's entry: such a start traces the model as
+it did before this cache.) Entries live beside JAX's cache (`<compilation cache dir>/executables`)
+and are off with it. Only single-process runs use them: across processes every peer builds its
+programs together.
 """
 
 from __future__ import annotations

@@ -189,8 +189,13 @@ class ModelRunner:
         # Rows' logit processing: the history holds every distinct token of a context.
         self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
                                                           config.max_model_len)
-        self._jitted = jax.jit(functools.partial(self._step, max_logprobs=config.max_logprobs),
-                               donate_argnums=(1,), **jit_kw)
+        step = functools.partial(self._step, max_logprobs=config.max_logprobs)
+        # Named after the step's source: JAX's cache keys on the name, so a program whose HLO
+        # an upgrade left as it was is compiled afresh once, and then stored whole here (an
+        # executable loaded from JAX's cache cannot be; runtime/executable_cache.py).
+        named = functools.wraps(self._step)(lambda *a: step(*a))
+        named.__name__ = named.__qualname__ = f"step_{executable_cache.source_digest()[:16]}"
+        self._jitted = jax.jit(named, donate_argnums=(1,), **jit_kw)
         self._replicated = rep  # where the step's small inputs live
         self._unused: dict[int, logits_processing.LogitsInputs] = {}
         self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
@@ -385,15 +390,14 @@ class ModelRunner:
         thread per core, since each mostly uses one."""
         t0 = time.perf_counter()
         todo = []
-        for p in self.all_programs():
-            if p not in self._executables:
-                exe = self._cached(p)
-                if exe is None:
-                    todo.append(p)
-                else:
-                    self._executables[p] = exe
-        lowered = [self._lower(p) for p in todo]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            missing = [p for p in self.all_programs() if p not in self._executables]
+            for program, exe in zip(missing, pool.map(self._cached, missing), strict=True):
+                if exe is None:
+                    todo.append(program)
+                else:
+                    self._executables[program] = exe
+            lowered = [self._lower(p) for p in todo]
             for program, exe in zip(todo, pool.map(self._build, todo, lowered), strict=True):
                 self._executables[program] = exe
         self.compile_seconds += time.perf_counter() - t0
