@@ -48,10 +48,10 @@ class Blocks:
     def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> Blocks:
         """The same re-layout applied to every plane (fn must leave the block axis as -1 or
         otherwise independent of its length)."""
-        return Blocks(fn(self.q), fn(self.scale), fn(self.min))
+        return Blocks(*(fn(getattr(self, k)) for k in PLANES))
 
     def planes(self) -> dict[str, np.ndarray]:
-        return {"q": self.q, "scale": self.scale, "min": self.min}
+        return {k: getattr(self, k) for k in PLANES}
 
     def dequantize(self) -> np.ndarray:
         return dequantize_np(self.planes())
@@ -99,13 +99,14 @@ def block_axis(w: Mapping) -> int:
     return axes[0]
 
 
-def _expand(w: Mapping, xp):
-    """(q split along the block axis, scale and min broadcastable to it, the weight's shape)."""
+def _dequantize(w: Mapping, xp):
+    """q * scale + min in float32, with xp (numpy or jax.numpy) broadcasting each block's scale
+    and minimum over its 32 values."""
     ax = block_axis(w)
     q = w["q"]
     split = q.shape[:ax] + (q.shape[ax] // BLOCK, BLOCK) + q.shape[ax + 1:]
-    return (q.reshape(split), xp.expand_dims(w["scale"], ax + 1),
-            xp.expand_dims(w["min"], ax + 1), q.shape)
+    s, m = xp.expand_dims(w["scale"], ax + 1), xp.expand_dims(w["min"], ax + 1)
+    return (q.reshape(split).astype(np.float32) * s + m).reshape(q.shape)
 
 
 def dequantize(w, dtype):
@@ -115,13 +116,11 @@ def dequantize(w, dtype):
         return w
     import jax.numpy as jnp
 
-    q, s, m, shape = _expand(w, jnp)
-    return (q.astype(jnp.float32) * s + m).reshape(shape).astype(dtype)
+    return _dequantize(w, jnp).astype(dtype)
 
 
 def dequantize_np(w: Mapping) -> np.ndarray:
-    q, s, m, shape = _expand(w, np)
-    return (q.astype(np.float32) * s + m).reshape(shape)
+    return _dequantize(w, np)
 
 
 def dequantize_tree(tree):

@@ -6,7 +6,8 @@ the program's HLO, so every start still traced and lowered the Flax model once p
 executables. This cache stores each compiled executable (`jax.experimental.serialize_executable`)
 under a key of everything that decides the program, without building it:
 
-- the source of the `jaxserve`, `models` and `kernels` packages (any edit makes new keys);
+- the source that builds the step: `jaxserve/runtime`, `jaxserve/config.py`, `models`,
+  `kernels` (any edit there makes new keys);
 - jax and jaxlib versions, the backend and its version, the execution devices and the host CPU's
   model and instruction flags (code built for one CPU's instructions must not run on another);
 - XLA_FLAGS and the jax options that change lowering (x64, matmul precision, PRNG);

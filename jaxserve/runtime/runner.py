@@ -189,13 +189,14 @@ class ModelRunner:
         # Rows' logit processing: the history holds every distinct token of a context.
         self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
                                                           config.max_model_len)
-        step = functools.partial(self._step, max_logprobs=config.max_logprobs)
+        def step(*args):
+            return self._step(*args, max_logprobs=config.max_logprobs)
+
         # Named after the step's source: JAX's cache keys on the name, so a program whose HLO
         # an upgrade left as it was is compiled afresh once, and then stored whole here (an
         # executable loaded from JAX's cache cannot be; runtime/executable_cache.py).
-        named = functools.wraps(self._step)(lambda *a: step(*a))
-        named.__name__ = named.__qualname__ = f"step_{executable_cache.source_digest()[:16]}"
-        self._jitted = jax.jit(named, donate_argnums=(1,), **jit_kw)
+        step.__name__ = step.__qualname__ = f"step_{executable_cache.source_digest()[:16]}"
+        self._jitted = jax.jit(step, donate_argnums=(1,), **jit_kw)
         self._replicated = rep  # where the step's small inputs live
         self._unused: dict[int, logits_processing.LogitsInputs] = {}
         self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
