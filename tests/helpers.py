@@ -5,11 +5,23 @@ from __future__ import annotations
 from jaxserve import EngineConfig, LLMEngine
 
 
+def buckets_from_8(args: dict) -> dict:
+    """`args` (EngineConfig fields, with max_num_batched_tokens) with token buckets from 8 up
+    to that budget unless they name their own, for tests whose subject is not the smallest
+    steps: each bucket is one more program to compile (about 4 s of CPU on a cold cache), and
+    a test that runs a few sequences to their ends would pass through 4, 2 and 1 as well. The
+    default buckets from 1 are run by the tests of the default configuration (the HF oracle,
+    the random workload, the compile cache, the scripts)."""
+    budget = args["max_num_batched_tokens"]
+    buckets = tuple(b for b in (8, 16, 32, 64, 128, 256) if b < budget) or (budget,)
+    return {"token_buckets": buckets} | args
+
+
 def make_engine(path, **kw) -> LLMEngine:
     args = dict(model=path, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                 num_kv_blocks=128, enable_step_trace=True)
     args.update(kw)
-    return LLMEngine(EngineConfig(**args))
+    return LLMEngine(EngineConfig(**buckets_from_8(args)))
 
 
 def run_all(engine: LLMEngine) -> dict[str, object]:

@@ -12,7 +12,8 @@ from tests.helpers import make_engine, run_all
 
 def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_num_seqs=6, max_num_batched_tokens=48,
-                         max_model_len=192, num_kv_blocks=40, strict_compile=True)
+                         max_model_len=192, num_kv_blocks=40, strict_compile=True,
+                         token_buckets=None)  # the default buckets, from 1
     engine.warmup()
     compiled = engine.runner.num_compiles
     assert compiled == len(engine.runner.all_programs())

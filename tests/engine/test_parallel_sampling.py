@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from tests.helpers import run_all
+from tests.helpers import buckets_from_8, run_all
 
 
 def _engine(path, **kw) -> LLMEngine:
     args = dict(model=path, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1200,
                 num_kv_blocks=512, log_stats_interval_s=0)
-    return LLMEngine(EngineConfig(**(args | kw)))
+    return LLMEngine(EngineConfig(**buckets_from_8(args | kw)))
 
 
 def test_n4_on_a_1000_token_prompt_computes_the_prompt_once(tiny_llama_dir):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from tests.helpers import run_all
+from tests.helpers import buckets_from_8, run_all
 
 K = 4
 
@@ -16,7 +16,7 @@ K = 4
 def _engine(path, **kw) -> LLMEngine:
     args = dict(model=path, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256,
                 num_kv_blocks=128, log_stats_interval_s=0, enable_prefix_caching=True)
-    return LLMEngine(EngineConfig(**(args | kw)))
+    return LLMEngine(EngineConfig(**buckets_from_8(args | kw)))
 
 
 def _reference(hf_model, prompt: list[int]) -> np.ndarray:

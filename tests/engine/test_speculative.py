@@ -10,13 +10,13 @@ from scipy import stats
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.testing.oracle import make_tiny_hf_model
-from tests.helpers import run_all
+from tests.helpers import buckets_from_8, run_all
 
 
 def _engine(path, **kw) -> LLMEngine:
     args = dict(model=path, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
                 num_kv_blocks=128, log_stats_interval_s=0)
-    return LLMEngine(EngineConfig(**(args | kw)))
+    return LLMEngine(EngineConfig(**buckets_from_8(args | kw)))
 
 
 def _spec_engine(path, method: str, **kw) -> LLMEngine:

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from tests.helpers import run_all
+from tests.helpers import buckets_from_8, run_all
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ TOPICS = ["a chef", "a pilot", "my aunt", "a student", "a painter", "a doctor", 
 def _engine(smollm, **kw) -> LLMEngine:
     args = dict(max_num_seqs=32, max_num_batched_tokens=256, max_model_len=256,
                 num_kv_blocks=256, log_stats_interval_s=0)
-    return LLMEngine(EngineConfig(**(args | kw)), smollm)
+    return LLMEngine(EngineConfig(**buckets_from_8(args | kw)), smollm)
 
 
 def _prompt(smollm, text: str) -> str:

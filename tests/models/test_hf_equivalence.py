@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from tests.helpers import buckets_from_8
 
 PROMPTS = [
     "The capital of France is",
@@ -55,11 +56,11 @@ def test_smollm_matches_hf_greedy(smollm, hf_smollm, async_scheduling, spec, req
     ids = [tok(p).input_ids for p in PROMPTS]
     draft = (request.getfixturevalue("tiny_draft_for_smollm") if spec == "draft_model"
              else None)
-    engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                                    num_kv_blocks=128, async_scheduling=async_scheduling,
-                                    speculative_method=spec, speculative_model=draft,
-                                    speculative_adaptive=False),
-                       loaded=smollm)
+    args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=128,
+                async_scheduling=async_scheduling, speculative_method=spec,
+                speculative_model=draft, speculative_adaptive=False)
+    # The plain runs keep the default buckets (from 1); speculation adds its own programs.
+    engine = LLMEngine(EngineConfig(**(buckets_from_8(args) if spec else args)), loaded=smollm)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     # Arrivals at different steps, with a 64-token budget so prefills chunk and mix with decodes.
     got = run_staggered(engine, ids, params, arrivals=[0, 0, 1, 2, 2, 5, 9, 14])
@@ -89,9 +90,11 @@ def test_smollm_matches_hf_with_prefix_caching(smollm, hf_smollm, pool, budget, 
     """Prompts sharing a system prompt, prefix caching on (the default): every greedy token
     equals HF's, while later prompts take the shared blocks from the cache."""
     ids = [smollm.tokenizer(SYSTEM + p).input_ids for p in PROMPTS]
-    engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=budget,
-                                    max_model_len=256, num_kv_blocks=pool,
-                                    preemption_mode=mode), loaded=smollm)
+    args = dict(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256,
+                num_kv_blocks=pool, preemption_mode=mode)
+    # The roomy pool shares the plain greedy run's programs; the others compile fewer.
+    engine = LLMEngine(EngineConfig(**(args if pool == 128 else buckets_from_8(args))),
+                       loaded=smollm)
     assert engine.config.enable_prefix_caching
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = run_staggered(engine, ids, params, arrivals=[0, 3, 3, 4, 6, 8, 9, 14])
@@ -113,8 +116,9 @@ def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     path, hf_model = tiny_models[arch]
     rng = np.random.default_rng(7)
     ids = [rng.integers(3, 1000, size=int(n)).tolist() for n in rng.integers(5, 90, size=8)]
-    engine = LLMEngine(EngineConfig(model=path, max_num_seqs=8, max_num_batched_tokens=64,
-                                    max_model_len=256, num_kv_blocks=96, layer_loop=layer_loop))
+    engine = LLMEngine(EngineConfig(**buckets_from_8(dict(
+        model=path, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+        num_kv_blocks=96, layer_loop=layer_loop))))
     assert engine.model_config.architecture.lower().startswith(arch)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = run_staggered(engine, ids, params, arrivals=[0, 0, 1, 1, 3, 4, 8, 12])

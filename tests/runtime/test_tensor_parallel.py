@@ -74,11 +74,11 @@ def test_default_model_same_tokens_at_tp(smollm, tp, caplog):
 
     caplog.set_level(logging.INFO, logger="jaxserve.runtime.runner")
     ids = [smollm.tokenizer(p).input_ids for p in PROMPTS[:4]]
-    base = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                                  num_kv_blocks=64), loaded=smollm)
+    args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=64,
+                token_buckets=(8, 16, 32, 64))  # as _engine's
+    base = LLMEngine(EngineConfig(**args), loaded=smollm)
     want = _generate(base, ids)
-    engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                                    num_kv_blocks=64, tensor_parallel_size=tp), loaded=smollm)
+    engine = LLMEngine(EngineConfig(**args, tensor_parallel_size=tp), loaded=smollm)
     assert _generate(engine, ids) == want
     params1, kv1 = _device_bytes(base)
     params_tp, kv_tp = _device_bytes(engine)
