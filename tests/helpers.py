@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxserve import EngineConfig, LLMEngine
+from jaxserve.config import _pow2_range
 
 
 def buckets_from_8(args: dict) -> dict:
@@ -12,9 +13,8 @@ def buckets_from_8(args: dict) -> dict:
     a test that runs a few sequences to their ends would pass through 4, 2 and 1 as well. The
     default buckets from 1 are run by the tests of the default configuration (the HF oracle,
     the random workload, the compile cache, the scripts)."""
-    budget = args["max_num_batched_tokens"]
-    buckets = tuple(b for b in (8, 16, 32, 64, 128, 256) if b < budget) or (budget,)
-    return {"token_buckets": buckets} | args
+    # The default buckets' own range, started at 8 (it ends at the budget however large).
+    return {"token_buckets": _pow2_range(8, args["max_num_batched_tokens"])} | args
 
 
 def make_engine(path, **kw) -> LLMEngine:

@@ -10,6 +10,7 @@ import pytest
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.runtime import sharding
 from models.config import ModelConfig
+from tests.helpers import buckets_from_8
 from tests.models.test_hf_equivalence import PROMPTS, run_staggered
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (forced) devices")
@@ -21,8 +22,8 @@ def _engine(tp: int, **kw) -> LLMEngine:
     # Token buckets from 8: the comparison is across TP sizes, and the buckets under 8 (tested
     # elsewhere) would add a program per size and layout to compile.
     args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=64,
-                tensor_parallel_size=tp, token_buckets=(8, 16, 32, 64))
-    return LLMEngine(EngineConfig(**(args | kw)))
+                tensor_parallel_size=tp)
+    return LLMEngine(EngineConfig(**buckets_from_8(args | kw)))
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
@@ -74,8 +75,8 @@ def test_default_model_same_tokens_at_tp(smollm, tp, caplog):
 
     caplog.set_level(logging.INFO, logger="jaxserve.runtime.runner")
     ids = [smollm.tokenizer(p).input_ids for p in PROMPTS[:4]]
-    args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=64,
-                token_buckets=(8, 16, 32, 64))  # as _engine's
+    args = buckets_from_8(dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                               num_kv_blocks=64))
     base = LLMEngine(EngineConfig(**args), loaded=smollm)
     want = _generate(base, ids)
     engine = LLMEngine(EngineConfig(**args, tensor_parallel_size=tp), loaded=smollm)
