@@ -10,6 +10,7 @@ magnitudes 2..4), |error| <= 1e-2 + 1e-2 * |reference|.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -83,9 +84,9 @@ def test_pallas_random_ragged_batches(seed):
     assert_close(got, want, t, "float32")
 
 
-@pytest.mark.parametrize("block_q", [4, 16])
+@pytest.mark.parametrize("block_q, chunk_blocks", [(4, 1), (16, 4)])
 @pytest.mark.parametrize("seed", range(4))
-def test_xla_backend_matches_reference(seed, block_q):
+def test_xla_backend_matches_reference(seed, block_q, chunk_blocks):
     """Rows [0, S) per row, the rest per query tile: MIXED has a sequence straddling row S, and
     the random batches put long prompt chunks past it."""
     rng = np.random.default_rng(200 + seed)
@@ -96,7 +97,30 @@ def test_xla_backend_matches_reference(seed, block_q):
     assert t > md.context_lens.shape[0]  # the tiled path runs
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = jax.jit(lambda q, k, v, md: ragged_paged_attention_xla(
-        q, k, v, LAYER, md, block_q=block_q, min_rows_per_seq=1))(q, k, v, md)
+        q, k, v, LAYER, md, block_q=block_q, min_rows_per_seq=1,
+        chunk_blocks=chunk_blocks))(q, k, v, md)
+    assert_close(got, want, t, "float32")
+
+
+@pytest.mark.parametrize("min_rows_per_seq", [1, 1000])  # tiles past row S / every row alone
+@pytest.mark.parametrize("chunk_blocks", [1, 3])
+def test_xla_backend_walks_only_the_chunks_a_context_reaches(chunk_blocks, min_rows_per_seq):
+    """The block bucket's padding costs nothing: the walk over the context stops after the
+    chunk holding the step's longest context. Here the tables are widened to 12 blocks whose
+    extra entries point at a page of NaNs; a chunk read past the end would bring them in."""
+    block = 8
+    q, k, v, md, t = make_case(7, [(1, 9), (6, 21), (17, 17), (1, 2)], kv_heads=2, groups=3,
+                               dtype="float32", block_size=block)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    poison = k.shape[1]  # one more page, past the pool's own
+    k, v = (jnp.concatenate([x, jnp.full_like(x[:, :1], jnp.nan)], axis=1) for x in (k, v))
+    s, mb = md.block_tables.shape
+    wide = jnp.full((s, 12), poison, jnp.int32).at[:, :mb].set(md.block_tables)
+    md = dataclasses.replace(md, block_tables=wide)
+    got = jax.jit(lambda q, k, v, md: ragged_paged_attention_xla(
+        q, k, v, LAYER, md, block_q=4, min_rows_per_seq=min_rows_per_seq,
+        chunk_blocks=chunk_blocks))(q, k, v, md)
+    assert bool(jnp.all(jnp.isfinite(got[:t])))
     assert_close(got, want, t, "float32")
 
 
