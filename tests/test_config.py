@@ -51,3 +51,21 @@ def test_prefix_caching_is_on_by_default_and_the_flags_turn_it_off():
                                                      "--prefix-caching"])).enable_prefix_caching
     with pytest.raises(ValueError, match="log_stats_interval_s"):
         EngineConfig(log_stats_interval_s=-1)
+
+
+@pytest.mark.parametrize("max_num_seqs, mid", [(64, (12, 24, 48)), (256, (12, 24, 48, 96, 192)),
+                                               (8, ()), (12, ()), (13, (12,))])
+def test_default_buckets_add_the_decode_midpoints_and_keep_one_seq_bucket_per_token_bucket(
+        max_num_seqs, mid):
+    from jaxserve.runtime.step_inputs import pick_bucket, seq_bucket
+
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
+    tokens, seqs, _ = cfg.buckets()
+    pow2 = {1 << i for i in range(10)}
+    assert set(tokens) == pow2 | set(mid)
+    assert set(seqs) == {x for x in pow2 if x < max_num_seqs} | set(mid) | {max_num_seqs}
+    for n in range(1, max_num_seqs + 1):  # a decode step of n sequences pads to rows
+        rows = seq_bucket(seqs, pick_bucket(tokens, n, "tokens"))
+        assert rows == min(x for x in pow2 | set(mid) | {max_num_seqs} if x >= n)
+    # explicit buckets are taken as given (plus the limits)
+    assert EngineConfig(max_num_seqs=64, token_buckets=(16, 64)).buckets()[0] == (16, 64, 512)
