@@ -36,7 +36,7 @@ def _pow2_range(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
 def _midpoints(hi: int) -> tuple[int, ...]:
     """1.5x each power of two from 8 while below hi (12, 24, 48 for 64): the sizes between the
     powers of two where decode steps run, so a step of 33 sequences pads to 48, not 64."""
-    return tuple(x * 3 // 2 for x in _pow2_range(8, hi) if x >= 8 and x * 3 // 2 < hi)
+    return tuple(x for x in _pow2_range(12, hi) if x < hi)  # _pow2_range ends at hi itself
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
