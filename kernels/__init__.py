@@ -3,12 +3,14 @@
 | backend | where it runs | what it is |
 | --- | --- | --- |
 | reference | anywhere | plain jnp, gathers K/V per token: the oracle of the others |
+| cpu | CPU with a C++ compiler; float32 | C++ kernel through XLA's FFI, built on first use |
 | xla | anywhere | plain jnp for XLA:CPU: the reference, plus query tiles in prefill-heavy steps |
 | mosaic | Hopper GPU (sm_90a); bf16/fp16 | Pallas kernel, Mosaic GPU lowering: TMA, wgmma |
 | triton | GPU with jax-triton | Triton kernel through `jax_triton.triton_call` |
 | pallas | GPU; CPU in interpret mode (slow: for tests) | Pallas kernel, Triton lowering |
 
-`auto` is xla off a GPU. On a GPU it takes the first of mosaic, triton, pallas that can run
+`auto` on a CPU is cpu where it can run (else xla, with a warning saying why), and xla on other
+platforms without a GPU kernel. On a GPU it takes the first of mosaic, triton, pallas that can run
 with this JAX, device and model (the order of expected speed; Pallas' Triton lowering is
 deprecated since JAX 0.11), warns for each one it passes over and why, and falls back to xla
 (with a warning) rather than failing. This module imports jax only when a backend is selected,
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 class AttentionBackend(enum.StrEnum):
     AUTO = "auto"
     REFERENCE = "reference"
+    CPU = "cpu"
     XLA = "xla"
     MOSAIC = "mosaic"
     TRITON = "triton"
@@ -45,6 +48,10 @@ def unavailable(backend: AttentionBackend, *, dtype=None, head_dim: int | None =
     platform = jax.default_backend()
     if backend in (AttentionBackend.REFERENCE, AttentionBackend.XLA):
         return None
+    if backend is AttentionBackend.CPU:
+        from kernels import cpu_attention
+
+        return cpu_attention.available(dtype, head_dim, groups)
     if backend is AttentionBackend.TRITON:
         from kernels import triton_attention
 
@@ -94,6 +101,10 @@ def select_attention(name: str | AttentionBackend, **shapes):
         from kernels.reference import ragged_paged_attention_reference
 
         return backend, ragged_paged_attention_reference
+    if backend is AttentionBackend.CPU:
+        from kernels.cpu_attention import ragged_paged_attention_cpu
+
+        return backend, ragged_paged_attention_cpu
     if backend is AttentionBackend.XLA:
         from kernels.xla_attention import ragged_paged_attention_xla
 
@@ -113,7 +124,13 @@ def select_attention(name: str | AttentionBackend, **shapes):
 
 
 def _auto(platform: str, shapes: dict) -> AttentionBackend:
-    if platform != "gpu":
+    if platform == "cpu":
+        why = unavailable(AttentionBackend.CPU, **shapes)
+        choice = AttentionBackend.XLA if why else AttentionBackend.CPU
+        if why:
+            warnings.warn(f"attention_backend auto: passing over 'cpu': {why}; using 'xla' "
+                          "(plain jnp, slower)", stacklevel=3)
+    elif platform != "gpu":
         choice = AttentionBackend.XLA
     else:
         for backend in GPU_ORDER:

@@ -7,7 +7,7 @@ executables. This cache stores each compiled executable (`jax.experimental.seria
 under a key of everything that decides the program, without building it:
 
 - the source that builds the step: `jaxserve/runtime`, `jaxserve/config.py`, `models`,
-  `kernels` (any edit there makes new keys);
+  `kernels` (any edit there, C++ included, makes new keys);
 - jax and jaxlib versions, the backend and its version, the execution devices and the host CPU's
   model and instruction flags (code built for one CPU's instructions must not run on another);
 - XLA_FLAGS and the jax options that change lowering (x64, matmul precision, PRNG);
@@ -63,7 +63,7 @@ _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_p
 
 @functools.cache
 def source_digest() -> str:
-    """sha256 over the Python source that builds the step."""
+    """sha256 over the source that builds the step (Python, and the C++ kernels it calls)."""
     root = os.path.dirname(os.path.dirname(importlib.util.find_spec("jaxserve").origin))
     paths = []
     for src in _SOURCES:
@@ -71,7 +71,7 @@ def source_digest() -> str:
         if os.path.isfile(top):
             paths.append(top)
         for d, _, files in os.walk(top):
-            paths += [os.path.join(d, f) for f in files if f.endswith(".py")]
+            paths += [os.path.join(d, f) for f in files if f.endswith((".py", ".cc"))]
     h = hashlib.sha256()
     for path in sorted(paths):
         h.update(os.path.relpath(path, root).encode())

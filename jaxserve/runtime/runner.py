@@ -204,6 +204,8 @@ class ModelRunner:
         self.executable_cache = executable_cache.ExecutableCache.create(
             self.compilation_cache_dir, "\n".join([
                 repr(config), repr(self.model_config), repr(self.draft_config),
+                # auto's choice, which depends on the machine (a C++ compiler for 'cpu')
+                f"attention_backend={self.attention_backend.value}",
                 executable_cache.abstract(self.step_params), executable_cache.abstract(self.pools),
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])

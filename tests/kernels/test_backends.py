@@ -11,10 +11,13 @@ from kernels.mosaic_attention import supports
 from tests.helpers import run_all
 
 
-def test_auto_is_xla_on_cpu():
+def test_auto_is_the_cpu_kernel_on_cpu():
+    """This machine has a C++ compiler, so auto builds and takes the C++ kernel (the fallback
+    without one is tested in test_cpu_attention.py)."""
     if jax.default_backend() != "cpu":
         pytest.skip("this checks the CPU choice")
-    assert select_attention("auto")[0] == "xla"
+    assert select_attention("auto", dtype="float32", head_dim=64, groups=3)[0] == "cpu"
+    assert select_attention("auto", dtype="bfloat16", head_dim=64, groups=3)[0] == "xla"
 
 
 @pytest.mark.parametrize("backend, why", [("triton", "jax-triton|GPU"),
@@ -53,7 +56,7 @@ def test_mosaic_shape_limits_name_the_field():
 def test_engine_output_identical_across_cpu_backends(tiny_llama_dir):
     # 32 token rows for 4 sequences: the xla backend's query tiles run in the prefill steps
     outs = {}
-    for backend in ("reference", "pallas", "xla"):
+    for backend in ("reference", "pallas", "xla", "cpu"):
         engine = LLMEngine(EngineConfig(model=tiny_llama_dir, attention_backend=backend,
                                         max_num_seqs=4, max_num_batched_tokens=32,
                                         max_model_len=128, num_kv_blocks=32,
@@ -66,4 +69,4 @@ def test_engine_output_identical_across_cpu_backends(tiny_llama_dir):
                                params=SamplingParams(temperature=0, max_tokens=12,
                                                      ignore_eos=True))
         outs[backend] = {k: v.outputs[0].token_ids for k, v in run_all(engine).items()}
-    assert outs["pallas"] == outs["reference"] == outs["xla"]
+    assert outs["pallas"] == outs["reference"] == outs["xla"] == outs["cpu"]

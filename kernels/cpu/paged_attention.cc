@@ -1,0 +1,290 @@
+// Ragged paged attention for CPUs, called from a jitted step through XLA's FFI.
+//
+// The jnp backends gather every row's K/V out of the pool into a dense array, transpose it for
+// the dots and read it again: on a CPU that traffic, not the arithmetic, is the cost of
+// attention. Here each work item (a query tile: up to `block_q` consecutive rows of one
+// sequence; a decode is a tile of one row) walks its sequence's blocks in place, reads each
+// key and value row once for all of its rows and query heads, and stops at the tile's last
+// position, so neither the block bucket's padding nor a copy of the context costs anything.
+// Tiles are handed out through an atomic counter to the caller and to helpers on XLA's
+// intra-op thread pool.
+//
+// Shapes (the axis legend of the Python side):
+//   q            (T, N, H) float32     N = K * G query heads
+//   k/v pool     (L, P, B, K, H) float32
+//   layer        () int32              the layer whose pages are read
+//   block_tables (S, MB) int32
+//   positions    (T,) int32            a row sees keys 0..position of its sequence
+//   query_start  (S + 1,) int32        sequence s owns rows [query_start[s], query_start[s+1])
+//   out          (T, N, H) float32     rows no sequence owns (padding) are zero
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Eight floats: AVX registers where the compiler has them, pairs of SSE (or NEON, or scalars)
+// elsewhere. Head dims are whole numbers of these (the Python side checks).
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+constexpr int W = 8;
+
+inline v8 load(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline void store(float* p, v8 x) { std::memcpy(p, &x, sizeof x); }
+inline v8 splat(float a) { return v8{a, a, a, a, a, a, a, a}; }
+inline float hsum(v8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), to ~2 ulp: Cody-Waite reduction by ln 2 and
+// a degree-6 polynomial (the Cephes coefficients); below -87 it flushes to ~1e-38.
+inline v8 exp_nonpositive(v8 x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v8 round = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  v8 k = (x * splat(1.44269504088896341f) + round) - round;
+  v8 r = x - k * splat(0.693359375f) + k * splat(2.12194440e-4f);
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  v8i bits = (__builtin_convertvector(k, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Problem {
+  const float* q;
+  const float* k_pages;  // the layer's (P, B, K, H)
+  const float* v_pages;
+  const int32_t* tables;
+  const int32_t* positions;
+  float* out;
+  int64_t n, kv_heads, groups, pages, block, max_blocks;
+  float scale;
+};
+
+struct Tile {
+  int64_t seq, row0, rows;
+};
+
+// Scratch reused across calls by each thread: scaled queries, scores (then probabilities),
+// output accumulators and softmax normalizers of every (kv head, row, group head).
+struct Scratch {
+  std::vector<float> p, acc, q, norm;
+};
+
+template <int HV>  // head dim = HV * 8
+void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
+  constexpr int64_t H = HV * W;
+  const int64_t G = pr.groups, K = pr.kv_heads, B = pr.block;
+  const int64_t rows = tile.rows, rg = rows * G;
+  const int32_t* table = pr.tables + tile.seq * pr.max_blocks;
+  const int64_t cap = pr.max_blocks * B;
+  // Keys each row sees (positions rise through a tile; clamped to the table's reach).
+  int64_t seen[64];
+  int64_t n_keys = 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    seen[r] = std::clamp<int64_t>(int64_t{pr.positions[tile.row0 + r]} + 1, 1, cap);
+    n_keys = std::max(n_keys, seen[r]);
+  }
+  const int64_t stride = (n_keys + W - 1) / W * W;  // a row of scores, padded to whole vectors
+  const int64_t row_floats = K * H;  // one token's keys (or values), all kv heads
+  // The rows of block j (keys j*B ...), all kv heads: B * K * H contiguous floats.
+  auto block_rows = [&](const float* pages, int64_t j) {
+    return pages + std::clamp<int64_t>(table[j], 0, pr.pages - 1) * B * row_floats;
+  };
+  // Every buffer is laid out (kv head, row, head of the group, ...): u = (kh * rows + r) * G + g.
+  const int64_t units = K * rg;
+  sc.p.resize(units * stride);
+  sc.acc.assign(units * H, 0.f);
+  sc.q.resize(units * H);
+  sc.norm.resize(units);
+  for (int64_t kh = 0; kh < K; ++kh)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = pr.q + ((tile.row0 + r) * pr.n + kh * G + g) * H;
+        float* dst = sc.q.data() + ((kh * rows + r) * G + g) * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * pr.scale;
+      }
+  // Scores: each key row (all kv heads, contiguous) is read once for the whole tile.
+  for (int64_t c = 0; c < n_keys; ++c) {
+    const float* kr = block_rows(pr.k_pages, c / B) + (c % B) * row_floats;
+    for (int64_t kh = 0; kh < K; ++kh) {
+      v8 kv[HV];
+      for (int i = 0; i < HV; ++i) kv[i] = load(kr + kh * H + i * W);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (c >= seen[r]) continue;
+        const int64_t u0 = (kh * rows + r) * G;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = sc.q.data() + (u0 + g) * H;
+          v8 a0 = splat(0.f), a1 = splat(0.f);
+          for (int i = 0; i + 1 < HV; i += 2) {
+            a0 += load(qr + i * W) * kv[i];
+            a1 += load(qr + (i + 1) * W) * kv[i + 1];
+          }
+          if (HV % 2) a0 += load(qr + (HV - 1) * W) * kv[HV - 1];
+          sc.p[(u0 + g) * stride + c] = hsum(a0 + a1);
+        }
+      }
+    }
+  }
+  // Softmax over each row's own keys; the rest of its scores become exact zeros.
+  for (int64_t u = 0; u < units; ++u) {
+    float* s = sc.p.data() + u * stride;
+    const int64_t n = seen[(u / G) % rows];
+    for (int64_t c = n; c < stride; ++c) s[c] = -1e30f;
+    v8 m8 = splat(-1e30f);
+    for (int64_t c = 0; c < stride; c += W) {
+      v8 x = load(s + c);
+      m8 = x > m8 ? x : m8;
+    }
+    float m = m8[0];
+    for (int i = 1; i < W; ++i) m = std::max(m, m8[i]);
+    v8 sum = splat(0.f);
+    for (int64_t c = 0; c < stride; c += W) {
+      v8 e = exp_nonpositive(load(s + c) - splat(m));
+      store(s + c, e);
+      sum += e;
+    }
+    float tail = 0.f;
+    for (int64_t c = n; c < stride; ++c) tail += s[c], s[c] = 0.f;
+    sc.norm[u] = hsum(sum) - tail;
+  }
+  // Probabilities times values: each value row is read once for the whole tile.
+  for (int64_t c = 0; c < n_keys; ++c) {
+    const float* vr = block_rows(pr.v_pages, c / B) + (c % B) * row_floats;
+    for (int64_t kh = 0; kh < K; ++kh) {
+      v8 vv[HV];
+      for (int i = 0; i < HV; ++i) vv[i] = load(vr + kh * H + i * W);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (c >= seen[r]) continue;
+        const int64_t u0 = (kh * rows + r) * G;
+        for (int64_t g = 0; g < G; ++g) {
+          const v8 p = splat(sc.p[(u0 + g) * stride + c]);
+          float* a = sc.acc.data() + (u0 + g) * H;
+          for (int i = 0; i < HV; ++i) store(a + i * W, load(a + i * W) + p * vv[i]);
+        }
+      }
+    }
+  }
+  for (int64_t kh = 0; kh < K; ++kh)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t u = (kh * rows + r) * G + g;
+        const float inv = 1.0f / sc.norm[u];
+        const float* a = sc.acc.data() + u * H;
+        float* o = pr.out + ((tile.row0 + r) * pr.n + kh * G + g) * H;
+        for (int64_t h = 0; h < H; ++h) o[h] = a[h] * inv;
+      }
+}
+
+using TileFn = void (*)(const Problem&, const Tile&, Scratch&);
+
+// The head dims compiled, in vectors of 8: 8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 256.
+using HeadVectors = std::integer_sequence<int, 1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32>;
+
+template <int... HV>
+TileFn tile_fn(int64_t head_dim, std::integer_sequence<int, HV...>) {
+  TileFn fn = nullptr;
+  ((fn = head_dim == HV * W ? attend_tile<HV> : fn), ...);
+  return fn;
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                     ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                     ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> query_start,
+                     ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q) {
+  const auto qd = q.dimensions();
+  const auto pd = k_pool.dimensions();
+  if (qd.size() != 3 || pd.size() != 5 || block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("paged attention: q must be (T, N, H), the pools "
+                                       "(L, P, B, K, H) and block_tables (S, MB)");
+  const int64_t t = qd[0], n = qd[1], h = qd[2];
+  const int64_t num_layers = pd[0], kv_heads = pd[3];
+  const int64_t s = block_tables.dimensions()[0];
+  const TileFn fn = tile_fn(h, HeadVectors{});
+  if (fn == nullptr || pd[4] != h || n % kv_heads != 0 || n / kv_heads > 16 || block_q < 1 ||
+      block_q > 64 || query_start.element_count() != s + 1)
+    return ffi::Error::InvalidArgument("paged attention: unsupported shapes");
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
+  const int64_t layer_floats = pd[1] * pd[2] * pd[3] * pd[4];
+  Problem pr{q.typed_data(), k_pool.typed_data() + l * layer_floats,
+             v_pool.typed_data() + l * layer_floats, block_tables.typed_data(),
+             positions.typed_data(), out->typed_data(), n, kv_heads, n / kv_heads,
+             pd[1], pd[2], block_tables.dimensions()[1], scale};
+
+  // Padding rows (past the last sequence's) come out as zeros.
+  const int32_t* qsl = query_start.typed_data();
+  const int64_t used = std::clamp<int64_t>(qsl[s], 0, t);
+  std::memset(pr.out + used * n * h, 0, (t - used) * n * h * sizeof(float));
+  auto tiles = std::make_shared<std::vector<Tile>>();
+  for (int64_t i = 0; i < s; ++i) {
+    const int64_t lo = std::clamp<int64_t>(qsl[i], 0, t);
+    const int64_t hi = std::clamp<int64_t>(qsl[i + 1], lo, t);
+    for (int64_t r = lo; r < hi; r += block_q) tiles->push_back({i, r, std::min(block_q, hi - r)});
+  }
+  const int64_t count = static_cast<int64_t>(tiles->size());
+  auto progress = std::make_shared<Progress>();
+  auto run = [pr, fn, tiles, progress, count]() {
+    thread_local Scratch scratch;
+    for (int64_t i; (i = progress->next.fetch_add(1)) < count;) {
+      fn(pr, (*tiles)[i], scratch);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  // Helpers that start after the tiles are gone find none and return; the caller never waits
+  // for a helper to start, so a busy pool cannot stall it.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([run] { run(); });
+  run();
+  while (progress->done.load(std::memory_order_acquire) < count) {
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("block_q"));
+
+// The head dims this build handles, for the Python side to check before it calls: writes up to
+// `capacity` of them and returns how many there are.
+extern "C" int64_t RaggedPagedAttentionHeadDims(int64_t* out, int64_t capacity) {
+  int64_t count = 0;
+  auto put = [&](int64_t h) { if (count < capacity) out[count] = h; ++count; };
+  [&]<int... HV>(std::integer_sequence<int, HV...>) { (put(HV * W), ...); }(HeadVectors{});
+  return count;
+}

@@ -1,0 +1,135 @@
+"""The C++ CPU kernel (kernels/cpu_attention.py) against the jnp reference, and how it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import cpu_attention
+from kernels.cpu_attention import ragged_paged_attention_cpu
+from kernels.reference import ragged_paged_attention_reference
+from tests.kernels.test_attention import LAYER, MIXED, assert_close, make_case
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
+
+
+def run(q, k, v, md, **kw):
+    return jax.jit(lambda q, k, v, md: ragged_paged_attention_cpu(q, k, v, LAYER, md, **kw))(
+        q, k, v, md)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("groups", [1, 3, 8])
+@pytest.mark.parametrize("block_q", [1, 16])
+def test_matches_reference(groups, head_dim, block_q):
+    q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype="float32",
+                               head_dim=head_dim)
+    got = run(q, k, v, md, block_q=block_q)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert_close(got, ragged_paged_attention_reference(q, k, v, LAYER, md), t, "float32")
+    assert not np.asarray(got[t:]).any()  # padding rows are zeros
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_ragged_batches(seed):
+    """Many sequences (more tiles than threads), block sizes 8 and 16, tiles of 1 to 64 rows."""
+    rng = np.random.default_rng(300 + seed)
+    seqs = []
+    for _ in range(int(rng.integers(1, 40))):
+        ql = int(rng.choice([1, 1, 1, int(rng.integers(1, 90))]))
+        seqs.append((ql, ql + int(rng.integers(0, 200))))
+    q, k, v, md, t = make_case(seed, seqs, kv_heads=int(rng.choice([1, 3])), groups=3,
+                               dtype="float32", block_size=int(rng.choice([8, 16])),
+                               head_dim=64)
+    got = run(q, k, v, md, block_q=int(rng.choice([1, 7, 16, 64])))
+    assert_close(got, ragged_paged_attention_reference(q, k, v, LAYER, md), t, "float32")
+
+
+def test_reads_only_the_blocks_each_row_reaches():
+    """Tables widened to 12 blocks whose extra entries point at a page of NaNs: a key read
+    past a row's position, or a block past its context, would bring them in."""
+    q, k, v, md, t = make_case(7, [(1, 9), (6, 21), (17, 17), (1, 2)], kv_heads=2, groups=3,
+                               dtype="float32", block_size=8)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    poison = k.shape[1]
+    k, v = (jnp.concatenate([x, jnp.full_like(x[:, :1], jnp.nan)], axis=1) for x in (k, v))
+    s, mb = md.block_tables.shape
+    md = dataclasses.replace(
+        md, block_tables=jnp.full((s, 12), poison, jnp.int32).at[:, :mb].set(md.block_tables))
+    got = run(q, k, v, md, block_q=4)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert_close(got, want, t, "float32")
+
+
+def test_layer_inside_a_scan_reads_its_own_pages():
+    """As the model calls it: the layer index is a traced loop counter."""
+    q, k, v, md, t = make_case(2, MIXED, kv_heads=2, groups=3, dtype="float32")
+
+    def layers(fn):
+        def body(carry, layer):
+            return carry, fn(q, k, v, layer, md)
+        return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2))[1])()
+
+    got = layers(ragged_paged_attention_cpu)
+    want = layers(ragged_paged_attention_reference)
+    for layer in range(2):
+        assert_close(got[layer], want[layer], t, "float32")
+    assert not np.allclose(np.asarray(got[0, :t]), np.asarray(got[1, :t]))
+
+
+def test_unsupported_inputs_name_what_is_wrong():
+    q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="float32", head_dim=40)
+    with pytest.raises(ValueError, match="head_dim 40"):
+        ragged_paged_attention_cpu(q, k, v, LAYER, md)
+    q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32 pages.*bfloat16"):
+        ragged_paged_attention_cpu(q, k, v, LAYER, md)
+    q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="float32")
+    with pytest.raises(ValueError, match="block_q"):
+        ragged_paged_attention_cpu(q, k, v, LAYER, md, block_q=65)
+
+
+def test_built_once_and_loaded_after(tmp_path, monkeypatch):
+    """The library is keyed by what went into it: a second build finds it and compiles
+    nothing."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    cxx = cpu_attention._compiler()
+    lib = cpu_attention._build(cxx)
+    assert os.path.dirname(lib) == str(tmp_path / "kernels")
+    stamp = os.stat(lib).st_mtime_ns
+    assert cpu_attention._build(cxx) == lib and os.stat(lib).st_mtime_ns == stamp
+    assert os.listdir(tmp_path / "kernels") == [os.path.basename(lib)]  # no temporaries left
+
+
+def test_without_a_compiler_auto_takes_xla_and_says_why(tmp_path):
+    """A machine with no C++ compiler (none on PATH, no built library cached) still serves:
+    auto warns and picks the jnp backend; asking for 'cpu' fails at once, naming the reason."""
+    code = """if True:
+        import warnings
+        import jax
+        from kernels import select_attention
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backend, _ = select_attention("auto", dtype=jax.numpy.float32, head_dim=64,
+                                          groups=3, block_size=16)
+        print(backend.value, "|", [str(w.message) for w in caught])
+        try:
+            select_attention("cpu")
+        except ValueError as e:
+            print("error |", e)
+    """
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable),
+           "JAXSERVE_CACHE_DIR": str(tmp_path), "CXX": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr
+    chosen, error = out.stdout.strip().splitlines()
+    assert chosen.startswith("xla |") and "no C++ compiler" in chosen
+    assert error.startswith("error |") and "'cpu' cannot run here" in error
