@@ -125,9 +125,10 @@ def select_attention(name: str | AttentionBackend, **shapes):
 
 def _auto(platform: str, shapes: dict) -> AttentionBackend:
     if platform == "cpu":
-        why = unavailable(AttentionBackend.CPU, **shapes)
-        choice = AttentionBackend.XLA if why else AttentionBackend.CPU
+        choice = AttentionBackend.CPU
+        why = unavailable(choice, **shapes)
         if why:
+            choice = AttentionBackend.XLA
             warnings.warn(f"attention_backend auto: passing over 'cpu': {why}; using 'xla' "
                           "(plain jnp, slower)", stacklevel=3)
     elif platform != "gpu":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, check_attention_inputs
+from models.cache import cache_home, host_cpu
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "paged_attention.cc")
 TARGET = "jaxserve_ragged_paged_attention"
@@ -43,14 +43,6 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("model name", "flags"))), "")
-    except OSError:
-        return platform.processor()
-
-
 def _build(cxx: str) -> str:
     """Compile the kernel (or find it already compiled) -> the shared library's path."""
     with open(SOURCE, "rb") as f:
@@ -58,9 +50,7 @@ def _build(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in (
         source, version, " ".join(FLAGS), jax.ffi.include_dir(), jax.__version__,
-        _cpu_model(), platform.machine()))).hexdigest()[:20]
-    from models.cache import cache_home
-
+        host_cpu()))).hexdigest()[:20]
     home = cache_home()
     root = os.path.join(home, "kernels") if home else tempfile.gettempdir()
     lib = os.path.join(root, f"paged_attention_{key}.so")
@@ -138,11 +128,10 @@ def ragged_paged_attention_cpu(
     block_q: int = 16,
 ) -> jax.Array:  # (T, N, H) float32; padding rows are zeros
     """Same contract as `ragged_paged_attention_reference`; query tiles of `block_q` rows."""
+    check_attention_inputs(q, k_pool, v_pool, md)
     why = available(q.dtype, q.shape[-1], q.shape[1] // k_pool.shape[3])
     if why:
         raise ValueError(f"the cpu attention kernel cannot run: {why}")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"page dtype {k_pool.dtype} must match q dtype {q.dtype}")
     if not 1 <= block_q <= 64:
         raise ValueError(f"block_q must be in [1, 64], got {block_q}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -10,10 +10,12 @@ source file's absolute path, size and modification time, so a changed file is co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 from typing import Any
 
@@ -30,6 +32,21 @@ def cache_home() -> str | None:
     if root == "":
         return None
     return root or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+
+
+@functools.cache
+def host_cpu() -> str:
+    """The CPU model and its instruction flags (Linux), else what `platform` knows: part of
+    the key of every cached artifact built for this CPU's instructions (step executables, the
+    C++ kernels)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        seen = dict(ln.split(":", 1) for ln in lines)  # the first core's lines are enough
+        return "|".join(f"{k.strip()}:{' '.join(sorted(v.split()))}" for k, v in sorted(
+            seen.items()))
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
 
 
 def cache_root() -> str | None:

@@ -35,12 +35,13 @@ import importlib.util
 import logging
 import os
 import pickle
-import platform
 import threading
 
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
+
+from models.cache import host_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -78,19 +79,6 @@ def source_digest() -> str:
         with open(path, "rb") as fh:
             h.update(fh.read())
     return h.hexdigest()
-
-
-@functools.cache
-def host_cpu() -> str:
-    """The CPU model and its instruction flags (Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        seen = dict(ln.split(":", 1) for ln in lines)  # the first core's lines are enough
-        return "|".join(f"{k.strip()}:{' '.join(sorted(v.split()))}" for k, v in sorted(
-            seen.items()))
-    except OSError:
-        return f"{platform.machine()}|{platform.processor()}"
 
 
 def abstract(tree) -> str:
