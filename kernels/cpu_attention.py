@@ -7,86 +7,22 @@ to the tile's own positions. The jnp backends instead gather each row's padded c
 new array and read it two more times (transpose, dots). On SmolLM2-135M's decode steps the
 kernel's attention took ~2.5x less time than the `xla` backend's (see the README).
 
-It is compiled on first use with the machine's C++ compiler ($CXX, else c++, g++ or clang++)
-for this CPU (-march=native), against the FFI headers that ship with jaxlib, and kept in
-$JAXSERVE_CACHE_DIR/kernels (else ~/.cache/jaxserve/kernels) under a key of everything that
-went into it, so later starts only load it. Where no compiler works, `available()` says why and
-`auto` takes the `xla` backend instead.
+It is built with the other CPU kernels by `kernels/cpu_library.py`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.cpu_library import library
 from kernels.metadata import AttentionMetadata, check_attention_inputs
-from models.cache import cache_home, host_cpu
 
-SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "paged_attention.cc")
 TARGET = "jaxserve_ragged_paged_attention"
 MAX_GROUPS = 16  # query heads per kv head
-FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-w")
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _build(cxx: str) -> str:
-    """Compile the kernel (or find it already compiled) -> the shared library's path."""
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in (
-        source, version, " ".join(FLAGS), jax.ffi.include_dir(), jax.__version__,
-        host_cpu()))).hexdigest()[:20]
-    home = cache_home()
-    root = os.path.join(home, "kernels") if home else tempfile.gettempdir()
-    lib = os.path.join(root, f"paged_attention_{key}.so")
-    if os.path.exists(lib):
-        return lib
-    os.makedirs(root, exist_ok=True)
-    # Built under a temporary name and renamed: processes starting together never load half.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
-    os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {os.path.basename(SOURCE)} failed ({' '.join(cmd)}):\n"
-                           f"{proc.stderr[-2000:]}")
-    os.replace(tmp, lib)
-    return lib
-
-
-@functools.cache
-def _library():
-    """Build, load and register the kernel once per process -> the library, or why not."""
-    import ctypes
-
-    if jax.default_backend() != "cpu":
-        return f"it runs on CPUs; the JAX platform here is {jax.default_backend()!r}"
-    cxx = _compiler()
-    if cxx is None:
-        return "no C++ compiler found (set CXX, or install g++ or clang++)"
-    try:
-        lib = ctypes.cdll.LoadLibrary(_build(cxx))
-    except (OSError, RuntimeError) as e:
-        return str(e)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaggedPagedAttention),
-                                platform="cpu")
-    return lib
 
 
 @functools.cache
@@ -94,7 +30,7 @@ def head_dims() -> tuple[int, ...]:
     """The head dims the built kernel has code for (the list lives in the C++ source)."""
     import ctypes
 
-    lib = _library()
+    lib = library()
     if isinstance(lib, str):
         return ()
     out = (ctypes.c_int64 * 64)()
@@ -109,7 +45,7 @@ def available(dtype=None, head_dim: int | None = None, groups: int | None = None
         return f"it reads float32 pages; the model's dtype is {jnp.dtype(dtype).name}"
     if groups is not None and groups > MAX_GROUPS:
         return f"{groups} query heads per kv head (at most {MAX_GROUPS})"
-    lib = _library()
+    lib = library()
     if isinstance(lib, str):
         return lib
     if head_dim is not None and head_dim not in head_dims():

@@ -18,6 +18,7 @@ block, offset) and attention reads it at its layer index, so XLA updates the don
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -32,6 +33,9 @@ from models.quant import dequantize
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+# (x (T, K), quantized weight (K..., N...), contracted axes) -> (T, N...), or None where this
+# weight is not one it reads (the step then expands the weight and runs the dot).
+BlockMatmulFn = Callable[[jax.Array, dict, int], jax.Array | None]
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +64,7 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype
     attn_fn: AttentionFn
+    block_matmul: BlockMatmulFn | None = None
 
     @nn.compact
     def __call__(self, carry, cos, sin, md: AttentionMetadata):
@@ -67,12 +72,10 @@ class DecoderLayer(nn.Module):
         cfg, dt = self.cfg, self.dtype
         d, n, kh, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size)
-        weight = self.weight
-
         y = RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x)
-        q = jnp.einsum("TD,DNH->TNH", y, weight("wq", (d, n, h)))
-        k = jnp.einsum("TD,DKH->TKH", y, weight("wk", (d, kh, h)))
-        v = jnp.einsum("TD,DKH->TKH", y, weight("wv", (d, kh, h)))
+        q = self.project(y, "wq", (d, n, h))
+        k = self.project(y, "wk", (d, kh, h))
+        v = self.project(y, "wv", (d, kh, h))
         if cfg.attention_bias:
             q = q + self.param("bq", nn.initializers.zeros, (n, h), dt)
             k = k + self.param("bk", nn.initializers.zeros, (kh, h), dt)
@@ -81,15 +84,27 @@ class DecoderLayer(nn.Module):
 
         k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
         attn = self.attn_fn(q, k_pages, v_pages, layer, md)  # (T, N, H)
-        wo = weight("wo", (n, h, d))
-        # One contraction over N*H: with two contracting dims XLA:CPU copies wo every step.
-        x = x + attn.reshape(attn.shape[0], n * h) @ wo.reshape(n * h, d)
+        x = x + self.project(attn.reshape(attn.shape[0], n * h), "wo", (n, h, d), 2)
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
-        gate = jnp.einsum("TD,DF->TF", y, weight("w_gate", (d, f)))
-        up = jnp.einsum("TD,DF->TF", y, weight("w_up", (d, f)))
-        x = x + jnp.einsum("TF,FD->TD", nn.silu(gate) * up, weight("w_down", (f, d)))
+        gate = self.project(y, "w_gate", (d, f))
+        up = self.project(y, "w_up", (d, f))
+        x = x + self.project(nn.silu(gate) * up, "w_down", (f, d))
         return (x, k_pages, v_pages, layer + 1), None
+
+    def project(self, x: jax.Array, name: str, shape: tuple[int, ...],
+                contract: int = 1) -> jax.Array:
+        """x (T, prod(shape[:contract])) @ weight `name` of `shape` -> (T, *shape[contract:]):
+        through `block_matmul` when the weight is kept in blocks and it reads them, else as
+        one dot on the expanded weight (one contraction: with two contracting dims XLA:CPU
+        copies the weight every step)."""
+        if self.block_matmul is not None and self.has_variable("params", name):
+            y = self.block_matmul(x, self.get_variable("params", name), contract)
+            if y is not None:
+                return y
+        w = self.weight(name, shape)
+        k = math.prod(shape[:contract])
+        return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
 
     def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
         """A projection in the compute dtype. Stored GGUF blocks (models/quant.py) are
@@ -110,15 +125,37 @@ def layout_params(params: dict, num_layers: int, scan_layers: bool) -> dict:
     return out
 
 
+HEAD_BLOCKS = "head_blocks"  # the output projection as exact Q8 blocks (D, V): head_blocks()
+
+
 def head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
     """The output projection among a Transformer's params: the embedding when tied."""
     return params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
 
 
-def lm_logits(cfg: ModelConfig, x: jax.Array, head: jax.Array) -> jax.Array:
-    """Final hidden states (N, D) -> logits (N, V) float32, through head_weight()."""
+def head_blocks(cfg: ModelConfig, params: dict) -> dict | None:
+    """The output projection as (D, V) blocks for a BlockMatmulFn, where its float weights are
+    exactly Q8 blocks (a GGUF's Q8_0 embedding is; see quant.requantize_q8), else None. Kept
+    under HEAD_BLOCKS beside the float weights, which the embedding lookup still reads: a
+    decode step then streams ~1.1 bytes per head weight instead of 4."""
+    import numpy as np
+
+    from models.quant import requantize_q8
+
+    head = np.asarray(head_weight(cfg, params))
+    return requantize_q8(head.T if cfg.tie_word_embeddings else head, 0)
+
+
+def lm_logits(cfg: ModelConfig, x: jax.Array, params: dict,
+              block_matmul: BlockMatmulFn | None = None) -> jax.Array:
+    """Final hidden states (N, D) -> logits (N, V) float32: through `block_matmul` on the
+    params' HEAD_BLOCKS where both are there, else a dot with head_weight()."""
+    if block_matmul is not None and HEAD_BLOCKS in params:
+        logits = block_matmul(x, params[HEAD_BLOCKS], 1)
+        if logits is not None:
+            return logits
     spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"
-    return jnp.einsum(spec, x, head, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, x, head_weight(cfg, params), preferred_element_type=jnp.float32)
 
 
 class Transformer(nn.Module):
@@ -126,6 +163,7 @@ class Transformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attn_fn: AttentionFn = ragged_paged_attention_reference
     scan_layers: bool = True
+    block_matmul: BlockMatmulFn | None = None  # see DecoderLayer.project
 
     @nn.compact
     def __call__(
@@ -152,19 +190,21 @@ class Transformer(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
-            )(cfg, dt, self.attn_fn, name="layers")
+            )(cfg, dt, self.attn_fn, self.block_matmul, name="layers")
             (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin,
                                                  md)
         else:  # the layer index is a Python int: static slices of the pool, no dynamic ones
             carry = (x, k_pages, v_pages, 0)
             for i in range(cfg.num_layers):
-                carry, _ = DecoderLayer(cfg, dt, self.attn_fn, name=f"layers_{i}")(carry, cos,
-                                                                                     sin, md)
+                carry, _ = DecoderLayer(cfg, dt, self.attn_fn, self.block_matmul,
+                                         name=f"layers_{i}")(carry, cos, sin, md)
             x, k_pages, v_pages, _ = carry
 
         # Every row is normalized (a (T, D) elementwise op): prompt logprobs read them all.
         x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)  # (T, D)
-        head = embed if cfg.tie_word_embeddings else self.param(
-            "lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size), dt)
-        logits = None if logits_indices is None else lm_logits(cfg, x[logits_indices], head)
+        if not cfg.tie_word_embeddings:
+            self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size,
+                                                                  cfg.vocab_size), dt)
+        logits = None if logits_indices is None else lm_logits(
+            cfg, x[logits_indices], self.variables["params"], self.block_matmul)
         return k_pages, v_pages, logits, x

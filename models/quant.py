@@ -135,3 +135,25 @@ def dequantize_tree(tree):
 def map_planes(fn: Callable, w):
     """fn applied to an array, or to each plane of a quantized dict."""
     return {k: fn(v) for k, v in w.items()} if is_quantized(w) else fn(w)
+
+
+def requantize_q8(w: np.ndarray, axis: int) -> dict[str, np.ndarray] | None:
+    """Float weights as Q8_0-style blocks of 32 along `axis` (int8 q, scale = block max / 127,
+    min 0), if those blocks give back every weight exactly, else None. A GGUF's Q8_0 tensor
+    expanded at load (the embedding) comes back to its own blocks this way; trained float
+    weights do not, and stay as they are."""
+    moved = np.moveaxis(np.asarray(w, np.float32), axis, -1)
+    if moved.shape[-1] % BLOCK:
+        return None
+    blocks = moved.reshape(*moved.shape[:-1], -1, BLOCK)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    # Any q with q * scale == w will do (checked below), so a reciprocal's product rounds well
+    # enough and is much faster than dividing.
+    inv = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
+    q = np.rint(blocks * inv)
+    if np.abs(q).max(initial=0) > 127 or not np.array_equal(q * scale, blocks):
+        return None
+    back = lambda a: np.ascontiguousarray(np.moveaxis(a, -1, axis))  # noqa: E731
+    scale = back(scale[..., 0])
+    return {"q": back(q.astype(np.int8).reshape(moved.shape)), "scale": scale,
+            "min": np.zeros_like(scale)}

@@ -35,6 +35,16 @@ def params_bytes(params) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
 
 
+def streamed_params(params: dict, tied: bool) -> dict:
+    """The params a decode step reads whole: all but the embedding table, of which a lookup
+    reads only its rows, unless that table is also the (tied) head the step multiplies by.
+    Where the head's Q8 blocks are there (models/llama.py's HEAD_BLOCKS) they are the head."""
+    from models.llama import HEAD_BLOCKS
+
+    drop = {"embed", "lm_head"} if HEAD_BLOCKS in params else set() if tied else {"embed"}
+    return {k: v for k, v in params.items() if k not in drop}
+
+
 def steady_decode_step(step_trace) -> tuple[float, tuple[int, int, int], int] | None:
     """(median seconds between the completions of consecutive decode-only steps, their most
     common bucket, how many) -- the step rate a user sees, with asynchronous scheduling too."""
@@ -54,8 +64,10 @@ def decode_vs_floor(engine) -> dict | None:
     if steady is None:
         return None
     step_s, bucket, n = steady
-    floor_s = weight_stream_seconds(engine.runner.params)
-    nbytes = params_bytes(engine.runner.params)
+    params = streamed_params(engine.runner.params,
+                             engine.runner.model_config.tie_word_embeddings)
+    floor_s = weight_stream_seconds(params)
+    nbytes = params_bytes(params)
     return {"decode_step_s": step_s, "decode_bucket": list(bucket), "decode_steps": n,
             "weight_stream_s": floor_s, "weight_bytes": nbytes,
             "weight_stream_gb_per_s": nbytes / floor_s / 1e9, "step_over_floor": step_s / floor_s}

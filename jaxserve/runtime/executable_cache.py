@@ -72,7 +72,7 @@ def source_digest() -> str:
         if os.path.isfile(top):
             paths.append(top)
         for d, _, files in os.walk(top):
-            paths += [os.path.join(d, f) for f in files if f.endswith((".py", ".cc"))]
+            paths += [os.path.join(d, f) for f in files if f.endswith((".py", ".cc", ".h"))]
     h = hashlib.sha256()
     for path in sorted(paths):
         h.update(os.path.relpath(path, root).encode())

@@ -35,9 +35,10 @@ from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, po
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
-from kernels import select_attention
+from kernels import cpu_matmul, select_attention
+from kernels.cpu_matmul import block_matmul_or_none
 from models import quant
-from models.llama import Transformer, head_weight, layout_params, lm_logits
+from models.llama import HEAD_BLOCKS, Transformer, head_blocks, layout_params, lm_logits
 from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -120,15 +121,25 @@ class ModelRunner:
             mc, params = sharding.relayout(mc, params, self.head_layout)
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
-        self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan)
         keep_blocks = config.quantization is Quantization.AUTO
+        # Projections kept in GGUF blocks run through the CPU kernel where it builds (one
+        # device: XLA cannot split a custom call over a mesh); else they are expanded in the step.
+        self.block_matmul = (block_matmul_or_none if keep_blocks and tp == 1
+                             and self.dtype == jnp.float32 and jax.default_backend() == "cpu"
+                             and cpu_matmul.available() is None else None)
+        self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan,
+                                 block_matmul=self.block_matmul)
 
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
-            weights (models/quant.py) as they are, or expanded with quantization=none."""
+            weights (models/quant.py) as they are, or expanded with quantization=none; with
+            the CPU block matmul, also the head as Q8 blocks where it is exactly that."""
             p = layout_params(p, cfg.num_layers, scan)
             if not keep_blocks:
                 p = quant.dequantize_tree(p)
+            blocks = head_blocks(cfg, p) if self.block_matmul is not None else None
+            if blocks is not None:
+                p = {**p, HEAD_BLOCKS: blocks}
             return jax.tree.map(lambda a: a if quant.is_quantized(a) else np.asarray(a, self.dtype),
                                 p, is_leaf=quant.is_quantized)
 
@@ -138,7 +149,7 @@ class ModelRunner:
         per_block = bytes_per_block(mc, config.block_size, self.dtype)
         if self.draft_config is not None:  # its pool has the same blocks: they share the budget
             self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
-                                           scan_layers=scan)
+                                           scan_layers=scan, block_matmul=self.block_matmul)
             per_block += bytes_per_block(self.draft_config, config.block_size, self.dtype)
         # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
@@ -206,6 +217,7 @@ class ModelRunner:
                 repr(config), repr(self.model_config), repr(self.draft_config),
                 # auto's choice, which depends on the machine (a C++ compiler for 'cpu')
                 f"attention_backend={self.attention_backend.value}",
+                f"block_matmul={self.block_matmul is not None}",
                 executable_cache.abstract(self.step_params), executable_cache.abstract(self.pools),
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
@@ -279,13 +291,11 @@ class ModelRunner:
                                                     inp.attn,
                                                     None if spec_k else inp.logits_indices)
             pools = (KVCache(k, v), *pools[1:])
-        head = head_weight(self.model_config, params)
-
         def head_logits(x):
             # Under TP: computed split by vocabulary, then gathered once (left split, the
             # sampler's sorts and reductions gather them 3 times; asked for replicated logits
             # alone, XLA gathers the (V, D) embedding instead: measured).
-            logits = lm_logits(self.model_config, x, head)
+            logits = lm_logits(self.model_config, x, params, self.block_matmul)
             return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
 
         def sample_rows(logits):  # (S, V) -> the plain sampler's output
@@ -310,7 +320,7 @@ class ModelRunner:
     def _run_draft(self, params, kv: KVCache, ids: jax.Array, md, want_logits: bool):
         """The draft model over rows `ids` (runtime/speculative.py's DraftFn)."""
         k, v, _, hidden = self.draft_model.apply({"params": params}, ids, kv.k, kv.v, md, None)
-        logits = (lm_logits(self.draft_config, hidden, head_weight(self.draft_config, params))
+        logits = (lm_logits(self.draft_config, hidden, params, self.block_matmul)
                   if want_logits else None)
         return KVCache(k, v), logits
 

@@ -6,8 +6,7 @@
 // sequence; a decode is a tile of one row) walks its sequence's blocks in place, reads each
 // key and value row once for all of its rows and query heads, and stops at the tile's last
 // position, so neither the block bucket's padding nor a copy of the context costs anything.
-// Tiles are handed out through an atomic counter to the caller and to helpers on XLA's
-// intra-op thread pool.
+// Tiles are shared out between threads by parallel_for (parallel.h).
 //
 // Shapes (the axis legend of the Python side):
 //   q            (T, N, H) float32     N = K * G query heads
@@ -18,13 +17,13 @@
 //   query_start  (S + 1,) int32        sequence s owns rows [query_start[s], query_start[s+1])
 //   out          (T, N, H) float32     rows no sequence owns (padding) are zero
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -206,11 +205,6 @@ TileFn tile_fn(int64_t head_dim, std::integer_sequence<int, HV...>) {
   return fn;
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                      ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
@@ -245,22 +239,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t hi = std::clamp<int64_t>(qsl[i + 1], lo, t);
     for (int64_t r = lo; r < hi; r += block_q) tiles->push_back({i, r, std::min(block_q, hi - r)});
   }
-  const int64_t count = static_cast<int64_t>(tiles->size());
-  auto progress = std::make_shared<Progress>();
-  auto run = [pr, fn, tiles, progress, count]() {
+  jaxserve::parallel_for(pool, static_cast<int64_t>(tiles->size()), [pr, fn, tiles](int64_t i) {
     thread_local Scratch scratch;
-    for (int64_t i; (i = progress->next.fetch_add(1)) < count;) {
-      fn(pr, (*tiles)[i], scratch);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  // Helpers that start after the tiles are gone find none and return; the caller never waits
-  // for a helper to start, so a busy pool cannot stall it.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([run] { run(); });
-  run();
-  while (progress->done.load(std::memory_order_acquire) < count) {
-  }
+    fn(pr, (*tiles)[i], scratch);
+  });
   return ffi::Error::Success();
 }
 

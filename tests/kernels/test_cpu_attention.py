@@ -1,4 +1,5 @@
-"""The C++ CPU kernel (kernels/cpu_attention.py) against the jnp reference, and how it is built."""
+"""The C++ CPU attention kernel (kernels/cpu_attention.py) against the jnp reference, and
+`auto` without a compiler."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import cpu_attention
 from kernels.cpu_attention import ragged_paged_attention_cpu
 from kernels.reference import ragged_paged_attention_reference
 from tests.kernels.test_attention import LAYER, MIXED, assert_close, make_case
@@ -94,18 +94,6 @@ def test_unsupported_inputs_name_what_is_wrong():
     q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="float32")
     with pytest.raises(ValueError, match="block_q"):
         ragged_paged_attention_cpu(q, k, v, LAYER, md, block_q=65)
-
-
-def test_built_once_and_loaded_after(tmp_path, monkeypatch):
-    """The library is keyed by what went into it: a second build finds it and compiles
-    nothing."""
-    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
-    cxx = cpu_attention._compiler()
-    lib = cpu_attention._build(cxx)
-    assert os.path.dirname(lib) == str(tmp_path / "kernels")
-    stamp = os.stat(lib).st_mtime_ns
-    assert cpu_attention._build(cxx) == lib and os.stat(lib).st_mtime_ns == stamp
-    assert os.listdir(tmp_path / "kernels") == [os.path.basename(lib)]  # no temporaries left
 
 
 def test_without_a_compiler_auto_takes_xla_and_says_why(tmp_path):

@@ -116,10 +116,22 @@ def _run(model: str, **kw):
 
 def test_engine_on_kept_blocks_gives_the_float_weights_outputs(tiny_q4_gguf):
     """quantization=auto (blocks on the device) and none (expanded at load): the same tokens
-    and the same logprobs, to the bit; the params take about a quarter of the bytes."""
+    and the same logprobs (to the bit where the step expands the blocks; within float32
+    rounding where the CPU block-matmul kernel reads them and sums in another order); the
+    params take about a quarter of the bytes."""
     kept, got = _run(tiny_q4_gguf)
     expanded, want = _run(tiny_q4_gguf, quantization="none")
-    assert got == want
+    assert [g[0] for g in got.values()] == [w[0] for w in want.values()]
+    if kept.runner.block_matmul is None:
+        assert got == want
+    for (_, got_lp), (_, want_lp) in zip(got.values(), want.values(), strict=True):
+        for g, w in zip(got_lp, want_lp, strict=True):  # {"logprob", "top": {id: lp}}
+            assert g["top"].keys() == w["top"].keys()
+            np.testing.assert_allclose([g["logprob"], *g["top"].values()],
+                                       [w["logprob"], *(w["top"][t] for t in g["top"])],
+                                       atol=1e-4)
+    assert expanded.runner.block_matmul is None
+    assert (kept.runner.block_matmul is not None) == (jax.default_backend() == "cpu")
     assert quant.is_quantized(kept.runner.params["layers"]["w_up"])
     assert not quant.is_quantized(expanded.runner.params["layers"]["w_up"])
     nbytes = lambda p: sum(a.nbytes for a in jax.tree.leaves(p["layers"]))  # noqa: E731
@@ -134,3 +146,19 @@ def test_kept_blocks_unrolled_and_split_over_devices(tiny_q4_gguf):
     for tp in (1, 2, 4):
         _, got = _run(tiny_q4_gguf, layer_loop="unroll", tensor_parallel_size=tp)
         assert [g[0] for g in got.values()] == [w[0] for w in want.values()]
+
+
+def test_the_default_embedding_comes_back_to_its_own_q8_blocks():
+    """The Q8_0 embedding is expanded at load; requantize_q8 finds its blocks again, to the
+    bit (the CPU kernel's head reads those), and declines weights that are not such blocks."""
+    reader = gguf.GGUFReader(default_model_path())
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    blocks = quant.decode(t.data, t.tensor_type.name, tuple(int(n) for n in t.shape[::-1]))
+    table = blocks.dequantize()  # (V, D), as the loader gives it
+    again = quant.requantize_q8(table.T, 0)  # (D, V): blocks along D
+    np.testing.assert_array_equal(again["q"], blocks.q.T)
+    np.testing.assert_array_equal(again["scale"], blocks.scale.T)
+    assert not again["min"].any()
+    np.testing.assert_array_equal(quant.dequantize_np(again), table.T)
+    assert quant.requantize_q8(table[:, :48], 1) is None  # not whole blocks
+    assert quant.requantize_q8(table * np.float32(1.0001), 1) is None

@@ -1,0 +1,95 @@
+"""The C++ kernels for CPUs (`kernels/cpu/*.cc`), built into one library and registered as XLA
+FFI targets.
+
+The library is compiled on first use with the machine's C++ compiler ($CXX, else c++, g++ or
+clang++) for this CPU (-march=native), against the FFI headers that ship with jaxlib, and kept
+in $JAXSERVE_CACHE_DIR/kernels (else ~/.cache/jaxserve/kernels) under a key of everything that
+went into it, so later starts only load it. Where no compiler works, `library()` returns why,
+and the callers choose their jnp paths instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import jax
+
+from models.cache import cache_home, host_cpu
+
+SOURCE_DIR = os.path.join(os.path.dirname(__file__), "cpu")
+# FFI target name -> the handler symbol the library exports for it.
+TARGETS = {
+    "jaxserve_ragged_paged_attention": "RaggedPagedAttention",
+    "jaxserve_block_matmul": "BlockMatmul",
+}
+FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-w")
+
+
+def sources() -> list[str]:
+    """The translation units (.cc) and the headers they share, in a fixed order."""
+    return sorted(glob.glob(os.path.join(SOURCE_DIR, "*.cc")) +
+                  glob.glob(os.path.join(SOURCE_DIR, "*.h")))
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build(cxx: str) -> str:
+    """Compile the kernels (or find them already compiled) -> the shared library's path."""
+    files = sources()
+    texts = []
+    for path in files:
+        with open(path, "rb") as f:
+            texts.append(os.path.basename(path).encode() + b"\0" + f.read())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in (
+        *texts, version, " ".join(FLAGS), jax.ffi.include_dir(), jax.__version__,
+        host_cpu()))).hexdigest()[:20]
+    home = cache_home()
+    root = os.path.join(home, "kernels") if home else tempfile.gettempdir()
+    lib = os.path.join(root, f"jaxserve_cpu_{key}.so")
+    if os.path.exists(lib):
+        return lib
+    os.makedirs(root, exist_ok=True)
+    # Built under a temporary name and renamed: processes starting together never load half.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+    os.close(fd)
+    units = [p for p in files if p.endswith(".cc")]
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), *units, "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n"
+                           f"{proc.stderr[-2000:]}")
+    os.replace(tmp, lib)
+    return lib
+
+
+@functools.cache
+def library():
+    """Build, load and register the kernels once per process -> the library, or why not."""
+    import ctypes
+
+    if jax.default_backend() != "cpu":
+        return f"it runs on CPUs; the JAX platform here is {jax.default_backend()!r}"
+    cxx = compiler()
+    if cxx is None:
+        return "no C++ compiler found (set CXX, or install g++ or clang++)"
+    try:
+        lib = ctypes.cdll.LoadLibrary(build(cxx))
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    return lib

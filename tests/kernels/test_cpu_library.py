@@ -1,0 +1,37 @@
+"""How the C++ CPU kernels are built (kernels/cpu_library.py)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+
+from kernels import cpu_library
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
+
+
+def test_built_once_and_loaded_after(tmp_path, monkeypatch):
+    """The library is keyed by what went into it: a second build finds it and compiles
+    nothing."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    cxx = cpu_library.compiler()
+    lib = cpu_library.build(cxx)
+    assert os.path.dirname(lib) == str(tmp_path / "kernels")
+    stamp = os.stat(lib).st_mtime_ns
+    assert cpu_library.build(cxx) == lib and os.stat(lib).st_mtime_ns == stamp
+    assert os.listdir(tmp_path / "kernels") == [os.path.basename(lib)]  # no temporaries left
+
+
+def test_every_target_is_registered_and_every_source_is_shipped():
+    """Each FFI target's handler is in the library; every source file is package data."""
+    lib = cpu_library.library()
+    assert not isinstance(lib, str), lib
+    for symbol in cpu_library.TARGETS.values():
+        assert hasattr(lib, symbol)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        shipped = next(line for line in f if line.startswith("kernels = "))
+    kinds = {os.path.splitext(p)[1] for p in cpu_library.sources()}
+    assert kinds == {".cc", ".h"} and all(f'"cpu/*{k}"' in shipped for k in kinds)

@@ -1,0 +1,141 @@
+"""The C++ block-matmul kernel (kernels/cpu_matmul.py) against float64 matmuls on the expanded
+weights, and the head it computes from exact Q8 blocks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.cpu_matmul import block_matmul, block_matmul_or_none, fits
+from models import quant
+from models.config import ModelConfig
+from models.llama import HEAD_BLOCKS, head_blocks, lm_logits
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
+
+
+def make_weight(rng, shape, block_axis, kind="Q4_1"):
+    """A quantized dict of `shape` in blocks of 32 along `block_axis`, with GGUF-like planes:
+    Q4_1 nibbles with a minimum, or Q8_0 codes without one."""
+    scale_shape = list(shape)
+    scale_shape[block_axis] //= quant.BLOCK
+    if kind == "Q4_1":
+        q = rng.integers(0, 16, shape)
+        m = -rng.random(scale_shape, np.float32) * 0.1
+    else:  # as llama.cpp makes them: each block's largest magnitude is the code +-127
+        q = np.moveaxis(rng.integers(-126, 127, shape), block_axis, 0)
+        q[::quant.BLOCK] = rng.choice([-127, 127], q[::quant.BLOCK].shape)
+        q = np.moveaxis(q, 0, block_axis)
+        m = np.zeros(scale_shape, np.float32)
+    # float16 scales, as GGUF stores them
+    s = (rng.random(scale_shape, np.float32) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    return {"q": jnp.asarray(q, jnp.int8), "scale": jnp.asarray(s), "min": jnp.asarray(m)}
+
+
+def expected(x, w, contract):
+    """float64 x @ the expanded weight, shaped (M, *outputs)."""
+    wf = np.asarray(quant.dequantize_np({k: np.asarray(a) for k, a in w.items()}), np.float64)
+    k = int(np.prod(wf.shape[:contract]))
+    out = np.asarray(x, np.float64) @ wf.reshape(k, -1)
+    return out.reshape(x.shape[0], *wf.shape[contract:])
+
+
+def assert_close(got, want):
+    got = np.asarray(got)
+    assert got.shape == want.shape and got.dtype == np.float32
+    # float32 sums of up to a few hundred terms: a few ulps of the largest magnitudes
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() + 1e-7)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 40])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_matches_float64(rows, kind):
+    """Rows around the register tile (12 rows with AVX-512), several panels of 32 columns."""
+    rng = np.random.default_rng(rows)
+    w = make_weight(rng, (160, 96), 0, kind)
+    x = jnp.asarray(rng.standard_normal((rows, 160)), jnp.float32)
+    assert_close(jax.jit(block_matmul)(x, w), expected(x, w, 1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes(seed):
+    rng = np.random.default_rng(50 + seed)
+    k, n, rows = (int(rng.integers(1, 9)) * 32, int(rng.integers(1, 40)) * 32,
+                  int(rng.integers(1, 80)))
+    w = make_weight(rng, (k, n), 0, str(rng.choice(["Q4_1", "Q8_0"])))
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+    assert_close(block_matmul(x, w), expected(x, w, 1))
+
+
+@pytest.mark.parametrize("shape, contract", [((64, 3, 32), 1), ((3, 64, 96), 2)])
+def test_projection_layouts(shape, contract):
+    """The model's layouts: wq (D, N, H) blocks along D, contracted over D; wo (N, H, D)
+    blocks along H, contracted over N and H."""
+    rng = np.random.default_rng(9)
+    w = make_weight(rng, shape, contract - 1)
+    x = jnp.asarray(rng.standard_normal((5, int(np.prod(shape[:contract])))), jnp.float32)
+    got = block_matmul(x, w, contract)
+    assert got.shape == (5, *shape[contract:])
+    assert_close(got, expected(x, w, contract))
+
+
+def test_inside_a_scan_over_stacked_layers():
+    """Under lax.scan each iteration's weight is a slice of the stacks."""
+    rng = np.random.default_rng(3)
+    ws = [make_weight(rng, (64, 64), 0) for _ in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *ws)
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    got = jax.jit(lambda x, s: jax.lax.scan(lambda x, w: (block_matmul(x, w), None), x, s)[0])(
+        x, stacked)
+    want = np.asarray(x, np.float64)
+    for w in ws:
+        want = expected(want, w, 1)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_zero_rows():
+    w = make_weight(np.random.default_rng(0), (32, 32), 0)
+    assert block_matmul(jnp.zeros((0, 32), jnp.float32), w).shape == (0, 32)
+
+
+def test_what_it_does_not_read():
+    """Weights the kernel cannot read are declined (the step expands them instead), and a
+    direct call says what is wrong."""
+    rng = np.random.default_rng(1)
+    odd = make_weight(rng, (64, 48), 0)  # 48 outputs: not whole panels of 32
+    across = make_weight(rng, (64, 3, 32), 2)  # blocks along an output axis
+    x = jnp.ones((2, 64), jnp.float32)
+    assert not fits(odd, 1) and not fits(across, 1)
+    assert fits(make_weight(rng, (64, 64), 0), 1)
+    assert block_matmul_or_none(x, odd) is None
+    assert block_matmul_or_none(x.astype(jnp.bfloat16), make_weight(rng, (64, 64), 0)) is None
+    with pytest.raises(ValueError, match="cannot read a weight"):
+        block_matmul(x, odd)
+    with pytest.raises(ValueError, match=r"x of shape \(M, 64\)"):
+        block_matmul(jnp.ones((2, 32), jnp.float32), make_weight(rng, (64, 64), 0))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_head_from_exact_q8_blocks(tied):
+    """A head whose float weights are exact Q8 blocks gets HEAD_BLOCKS, and its logits through
+    the kernel match the float head's; float weights that are not get none."""
+    rng = np.random.default_rng(4)
+    cfg = ModelConfig(architecture="llama", vocab_size=320, hidden_size=64,
+                      intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=32, tie_word_embeddings=tied)
+    blocks = make_weight(rng, (320, 64), 1, "Q8_0")  # (V, D), blocks along D, as GGUF's
+    table = quant.dequantize_np({k: np.asarray(a) for k, a in blocks.items()})
+    params = {"embed": table} if tied else {"embed": table + 1, "lm_head": table.T.copy()}
+    hb = head_blocks(cfg, params)
+    assert hb is not None and hb["q"].shape == (64, 320) and hb["scale"].shape == (2, 320)
+    np.testing.assert_array_equal(hb["q"], np.asarray(blocks["q"]).T)
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    want = lm_logits(cfg, x, params)
+    got = lm_logits(cfg, x, {**params, HEAD_BLOCKS: hb}, block_matmul_or_none)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=2e-6 * float(jnp.abs(want).max()))
+    noisy = {k: v + rng.standard_normal(v.shape).astype(np.float32) * 1e-3
+             for k, v in params.items()}
+    assert head_blocks(cfg, noisy) is None
