@@ -137,23 +137,27 @@ def map_planes(fn: Callable, w):
     return {k: fn(v) for k, v in w.items()} if is_quantized(w) else fn(w)
 
 
-def requantize_q8(w: np.ndarray, axis: int) -> dict[str, np.ndarray] | None:
+def requantize_q8(w: np.ndarray, axis: int, chunk: int = 2048) -> dict[str, np.ndarray] | None:
     """Float weights as Q8_0-style blocks of 32 along `axis` (int8 q, scale = block max / 127,
     min 0), if those blocks give back every weight exactly, else None. A GGUF's Q8_0 tensor
     expanded at load (the embedding) comes back to its own blocks this way; trained float
-    weights do not, and stay as they are."""
+    weights do not, and stay as they are. Worked `chunk` rows at a time, so the temporaries
+    stay small (whole-array ones cost more in page faults than in arithmetic)."""
     moved = np.moveaxis(np.asarray(w, np.float32), axis, -1)
     if moved.shape[-1] % BLOCK:
         return None
-    blocks = moved.reshape(*moved.shape[:-1], -1, BLOCK)
-    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
-    # Any q with q * scale == w will do (checked below), so a reciprocal's product rounds well
-    # enough and is much faster than dividing.
-    inv = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
-    q = np.rint(blocks * inv)
-    if np.abs(q).max(initial=0) > 127 or not np.array_equal(q * scale, blocks):
-        return None
-    back = lambda a: np.ascontiguousarray(np.moveaxis(a, -1, axis))  # noqa: E731
-    scale = back(scale[..., 0])
-    return {"q": back(q.astype(np.int8).reshape(moved.shape)), "scale": scale,
-            "min": np.zeros_like(scale)}
+    rows = moved.reshape(-1, moved.shape[-1] // BLOCK, BLOCK)  # (rows, blocks, 32)
+    q = np.empty(rows.shape, np.int8)
+    scale = np.empty(rows.shape[:2], np.float32)
+    for lo in range(0, len(rows), chunk):
+        blocks = rows[lo:lo + chunk]
+        d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+        # Any q with q * d == w will do (checked next), so a reciprocal's product rounds well
+        # enough and is much faster than dividing.
+        c = np.rint(blocks * (np.float32(1) / np.where(d > 0, d, np.float32(1))))
+        if np.abs(c).max(initial=0) > 127 or not np.array_equal(c * d, blocks):
+            return None
+        q[lo:lo + chunk], scale[lo:lo + chunk] = c, d[..., 0]
+    back = lambda a, shape: np.ascontiguousarray(np.moveaxis(a.reshape(shape), -1, axis))  # noqa: E731
+    scale = back(scale, (*moved.shape[:-1], -1))
+    return {"q": back(q, moved.shape), "scale": scale, "min": np.zeros_like(scale)}
