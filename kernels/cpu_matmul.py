@@ -7,7 +7,8 @@ a step writes and reads the expanded weights on top of streaming the codes. The 
 them at once for every row of x. The weights are the same bits as the expanded ones (see the
 C++ file); the sums over k run in another order than XLA's dot.
 
-On SmolLM2-135M's decode steps the kernel's projections took ... (see the README).
+With it, the engine's `bench_generate.py` run gave 1.28x the output tokens/s, and its steady
+decode step at 32 sequences took 81 ms instead of 113 (see the README).
 """
 
 from __future__ import annotations
