@@ -24,12 +24,13 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.kv_write import write_kv
 from kernels.metadata import AttentionMetadata
 from kernels.reference import ragged_paged_attention_reference
 from models.config import ModelConfig, rope_inv_freq
-from models.quant import dequantize
+from models.quant import dequantize, requantize_q8
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
@@ -138,10 +139,6 @@ def head_blocks(cfg: ModelConfig, params: dict) -> dict | None:
     exactly Q8 blocks (a GGUF's Q8_0 embedding is; see quant.requantize_q8), else None. Kept
     under HEAD_BLOCKS beside the float weights, which the embedding lookup still reads: a
     decode step then streams ~1.1 bytes per head weight instead of 4."""
-    import numpy as np
-
-    from models.quant import requantize_q8
-
     head = np.asarray(head_weight(cfg, params))
     return requantize_q8(head.T if cfg.tie_word_embeddings else head, 0)
 

@@ -122,11 +122,12 @@ class ModelRunner:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         keep_blocks = config.quantization is Quantization.AUTO
-        # Projections kept in GGUF blocks run through the CPU kernel where it builds (one
-        # device: XLA cannot split a custom call over a mesh); else they are expanded in the step.
+        # Projections kept in GGUF blocks run through the CPU kernel where it builds (it says
+        # why not on other platforms; one device: XLA cannot split a custom call over a mesh);
+        # else they are expanded in the step.
         self.block_matmul = (block_matmul_or_none if keep_blocks and tp == 1
-                             and self.dtype == jnp.float32 and jax.default_backend() == "cpu"
-                             and cpu_matmul.available() is None else None)
+                             and self.dtype == jnp.float32 and cpu_matmul.available() is None
+                             else None)
         self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan,
                                  block_matmul=self.block_matmul)
 
