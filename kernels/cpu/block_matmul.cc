@@ -1,26 +1,32 @@
 // y = x @ w for a weight kept in GGUF blocks (models/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// The jnp path expands the whole weight to float32 in memory (q * scale + min) and then runs the
-// dot, so each step writes and reads 4 bytes per weight on top of the 1.25 it streams. Here the
-// weight is expanded 32 rows at a time into a small buffer that stays in L1, right before the
-// rows of x use it: the expansion costs one fused multiply-add per weight and no memory traffic.
-//
 // Shapes:
 //   x      (M, K) float32
 //   q      (K, N) int8      w[k, n] = q[k, n] * scale[k / 32, n] + min[k / 32, n]
 //   scale  (K / 32, N) float32
 //   min    (K / 32, N) float32
 //   y      (M, N) float32
-// A work item is a panel of 32 columns of y: its weight columns are expanded once per block
-// of 32 rows of k and used by every row of x, in tiles of up to MR rows whose accumulators stay
-// in registers over the block.
 //
-// The expansion is exact (q * scale is exact in float32 and the fused "+ min" rounds once, as
-// the loader's dequantization does), so the weights are the ones the jnp path uses; only the
-// order of the sums over k differs.
+// The products run on integers. Each block of 32 values of a row of x is scaled to int16 by its
+// largest magnitude (xq = round(x * 32767 / amax), so x ~ xq * xs with xs = amax / 32767), and
+// per block of 32 rows of k
+//   y[r, n] += scale[b, n] * xs[r, b] * sum_k xq[r, k] q[k, n]  +  min[b, n] * sum_k x[r, k].
+// The integer sums are exact (|xq q| < 2^22, 32 of them), and they run as pairs of int16
+// products summed into int32 lanes: one instruction (AVX-512 VNNI's vpdpwssd) does 32 of the
+// multiply-adds that take two float FMAs, and the weights never exist as floats. The only
+// rounding besides float32's own is xq's: at most amax / 65534 per value, 2^-16 of the block's
+// largest (bfloat16 keeps 8 bits; llama.cpp's CPU path quantizes x to int8). The engine's
+// greedy tokens still equal HF transformers' float32 ones (tests/models/test_hf_equivalence.py).
+//
+// A work item is a panel of 32 columns of y. Per block of 32 rows of k, its weights are widened
+// to int16 once, in the pairs the instruction reads, into a buffer that stays in L1, and used by
+// every row of x in tiles of up to MR rows whose int32 sums stay in registers. The integer sums
+// are exact on every path (VNNI, AVX-512BW, portable), and a row's result does not depend on
+// the other rows of x (batch invariance).
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -38,10 +44,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));
-constexpr int V = 16;       // floats per vector
+typedef int32_t i16x __attribute__((vector_size(64)));  // 16 int32 lanes
+constexpr int V = 16;       // lanes per vector
 constexpr int NP = 2 * V;   // columns per panel
 constexpr int KB = 32;      // rows of k per block (GGUF's block length)
-// Rows of x per register tile: 2 * MR accumulators and 2 weight vectors must fit the register
+constexpr int KP = KB / 2;  // pairs of rows of k per block
+constexpr float kQMax = 32767.f;
+// Rows of x per register tile: 2 * MR int32 sums and 2 weight vectors must fit the register
 // file (32 vector registers with AVX-512, 16 half-width ones without).
 #if defined(__AVX512F__)
 constexpr int MR = 12;
@@ -49,51 +58,123 @@ constexpr int MR = 12;
 constexpr int MR = 3;
 #endif
 
-inline v16 load(const float* p) {
-  v16 x;
+template <typename T>
+inline T load(const void* p) {
+  T x;
   std::memcpy(&x, p, sizeof x);
   return x;
 }
-inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+template <typename T>
+inline void store(void* p, T x) { std::memcpy(p, &x, sizeof x); }
 
-// 16 int8 -> 16 floats. GCC turns the portable __builtin_convertvector of int8 lanes into
-// scalar code, so the x86 widening conversions are spelled out.
-inline v16 load_q(const int8_t* p) {
-  v16 r;
-#if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  std::memcpy(&r, &f, sizeof r);
-#elif defined(__AVX2__)
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-  std::memcpy(&r, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&r) + sizeof lo, &hi, sizeof hi);
+// acc[i] += w[2i] * lo + w[2i + 1] * hi for the 16 lanes i, where w holds 32 int16 and the pair
+// (lo, hi) of int16 is packed in `pair`. No sum overflows: see the file comment.
+inline i16x dot_pairs(i16x acc, i16x w, int32_t pair) {
+#if defined(__AVX512VNNI__)
+  return (i16x)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(pair));
+#elif defined(__AVX512BW__)
+  return (i16x)_mm512_add_epi32((__m512i)acc,
+                                _mm512_madd_epi16((__m512i)w, _mm512_set1_epi32(pair)));
 #else
-  for (int i = 0; i < V; ++i) r[i] = p[i];
+  int16_t w16[2 * V];
+  std::memcpy(w16, &w, sizeof w16);
+  const int32_t lo = int16_t(pair & 0xffff), hi = int16_t(uint32_t(pair) >> 16);
+  for (int i = 0; i < V; ++i) acc[i] += w16[2 * i] * lo + w16[2 * i + 1] * hi;
+  return acc;
 #endif
-  return r;
 }
 
-// c[R, NP] += x[R, KB] @ w[KB, NP]; x rows `ldx` apart, w and c dense.
+// One block of a panel's weights as int16 pairs: out[kp][c] = (q[2kp][c], q[2kp + 1][c]) for
+// its NP columns c, rows of q `ld` apart.
+inline void widen_pairs(const int8_t* q, int64_t ld, int16_t* out) {
+  for (int kp = 0; kp < KP; ++kp) {
+    const int8_t* even = q + 2 * kp * ld;
+    const int8_t* odd = even + ld;
+#if defined(__AVX512BW__)
+    const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)even));
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)odd));
+    // Lane j of the result takes a[j / 2] or b[j / 2] (index 32 + j / 2), alternately.
+    const __m512i lo = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    _mm512_storeu_si512(out + kp * 2 * NP, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(out + kp * 2 * NP + NP, _mm512_permutex2var_epi16(a, hi, b));
+#else
+    for (int c = 0; c < NP; ++c) {
+      out[kp * 2 * NP + 2 * c] = even[c];
+      out[kp * 2 * NP + 2 * c + 1] = odd[c];
+    }
+#endif
+  }
+}
+
+// x in the form the tiles read: per row r and block b, xq[r, k] int16, xs[r, b] and the float
+// sum of the block's x, sx[r, b].
+struct QuantizedRows {
+  std::vector<int16_t> xq;
+  std::vector<float> xs, sx;
+};
+
+// Each lane rounded to the nearest integer, ties to even. (An add-and-subtract trick would let
+// the compiler fuse the product before it into an FMA and round differently.)
+inline v16 round_even(v16 v) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  for (int i = 0; i < V; ++i) v[i] = std::nearbyint(v[i]);
+  return v;
+#endif
+}
+
+void quantize_row(const float* x, int64_t k, int16_t* xq, float* xs, float* sx) {
+  typedef int16_t h16 __attribute__((vector_size(32)));
+  for (int64_t b = 0; b < k / KB; ++b) {
+    const v16 lo = load<v16>(x + b * KB), hi = load<v16>(x + b * KB + V);
+    const v16 alo = lo < v16{} ? -lo : lo, ahi = hi < v16{} ? -hi : hi;
+    const v16 mag = alo > ahi ? alo : ahi;
+    const v16 both = lo + hi;
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < V; ++i) amax = std::max(amax, mag[i]), sum += both[i];
+    const float inv = amax > 0.f ? kQMax / amax : 0.f;
+    store(xq + b * KB, __builtin_convertvector(
+        __builtin_convertvector(round_even(lo * inv), i16x), h16));
+    store(xq + b * KB + V, __builtin_convertvector(
+        __builtin_convertvector(round_even(hi * inv), i16x), h16));
+    xs[b] = amax / kQMax;
+    sx[b] = sum;
+  }
+}
+
+// c[R, NP] += the block's contribution for R rows of x (see the file comment). xq rows are
+// `ldx` apart, xs and sx rows `ldb`; w is widen_pairs' buffer; c is dense.
 template <int R>
-void tile(const float* x, int64_t ldx, const float* w, float* c) {
-  v16 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = load(c + r * NP), a1[r] = load(c + r * NP + V);
-  for (int k = 0; k < KB; ++k) {
-    const v16 w0 = load(w + k * NP), w1 = load(w + k * NP + V);
+void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int64_t ldb,
+          const int16_t* w, v16 s0, v16 s1, v16 m0, v16 m1, float* c) {
+  i16x a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = i16x{}, a1[r] = i16x{};
+  for (int kp = 0; kp < KP; ++kp) {
+    const i16x w0 = load<i16x>(w + kp * 2 * NP), w1 = load<i16x>(w + kp * 2 * NP + NP);
     for (int r = 0; r < R; ++r) {
-      const float xs = x[r * ldx + k];
-      a0[r] += xs * w0;
-      a1[r] += xs * w1;
+      const int32_t pair = load<int32_t>(xq + r * ldx + 2 * kp);
+      a0[r] = dot_pairs(a0[r], w0, pair);
+      a1[r] = dot_pairs(a1[r], w1, pair);
     }
   }
-  for (int r = 0; r < R; ++r) store(c + r * NP, a0[r]), store(c + r * NP + V, a1[r]);
+  for (int r = 0; r < R; ++r) {
+    const float x_scale = xs[r * ldb], x_sum = sx[r * ldb];
+    float* cr = c + r * NP;
+    v16 c0 = load<v16>(cr), c1 = load<v16>(cr + V);
+    c0 += __builtin_convertvector(a0[r], v16) * (s0 * x_scale);
+    c1 += __builtin_convertvector(a1[r], v16) * (s1 * x_scale);
+    c0 += m0 * x_sum;
+    c1 += m1 * x_sum;
+    store(cr, c0), store(cr + V, c1);
+  }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, float*);
+using TileFn = void (*)(const int16_t*, int64_t, const float*, const float*, int64_t,
+                        const int16_t*, v16, v16, v16, v16, float*);
 
 template <int... R>
 constexpr std::array<TileFn, sizeof...(R)> tile_fns(std::integer_sequence<int, R...>) {
@@ -102,7 +183,7 @@ constexpr std::array<TileFn, sizeof...(R)> tile_fns(std::integer_sequence<int, R
 constexpr auto kTiles = tile_fns(std::make_integer_sequence<int, MR>{});  // [r - 1]: r rows
 
 struct Problem {
-  const float* x;
+  const QuantizedRows* x;
   const int8_t* q;
   const float* scale;
   const float* min;
@@ -110,22 +191,20 @@ struct Problem {
   int64_t m, k, n;
 };
 
-void panel(const Problem& pr, int64_t p, std::vector<float>& acc, std::vector<float>& w) {
-  const int64_t n0 = p * NP, N = pr.n;
+void panel(const Problem& pr, int64_t p, std::vector<float>& acc, std::vector<int16_t>& w) {
+  const int64_t n0 = p * NP, N = pr.n, blocks = pr.k / KB;
   acc.assign(pr.m * NP, 0.f);
   w.resize(KB * NP);
-  for (int64_t kb = 0; kb < pr.k / KB; ++kb) {
+  for (int64_t kb = 0; kb < blocks; ++kb) {
     const float* s = pr.scale + kb * N + n0;
     const float* m = pr.min + kb * N + n0;
-    const v16 s0 = load(s), s1 = load(s + V), m0 = load(m), m1 = load(m + V);
-    const int8_t* q = pr.q + kb * KB * N + n0;
-    for (int k = 0; k < KB; ++k) {
-      store(w.data() + k * NP, load_q(q + k * N) * s0 + m0);
-      store(w.data() + k * NP + V, load_q(q + k * N + V) * s1 + m1);
-    }
+    const v16 s0 = load<v16>(s), s1 = load<v16>(s + V), m0 = load<v16>(m), m1 = load<v16>(m + V);
+    widen_pairs(pr.q + kb * KB * N + n0, N, w.data());
     for (int64_t r = 0; r < pr.m; r += MR) {
       const int64_t rows = std::min<int64_t>(MR, pr.m - r);
-      kTiles[rows - 1](pr.x + r * pr.k + kb * KB, pr.k, w.data(), acc.data() + r * NP);
+      kTiles[rows - 1](pr.x->xq.data() + r * pr.k + kb * KB, pr.k,
+                       pr.x->xs.data() + r * blocks + kb, pr.x->sx.data() + r * blocks + kb,
+                       blocks, w.data(), s0, s1, m0, m1, acc.data() + r * NP);
     }
   }
   for (int64_t r = 0; r < pr.m; ++r)
@@ -141,11 +220,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument(
         "block matmul: x must be (M, K) and q (K, N), with K a multiple of 32, N of 32, and "
         "scale and min (K / 32, N)");
-  const Problem pr{x.typed_data(), q.typed_data(), scale.typed_data(), min.typed_data(),
-                   y->typed_data(), xd[0], qd[0], qd[1]};
-  if (pr.m == 0) return ffi::Error::Success();
+  const int64_t m = xd[0], k = qd[0], blocks = k / KB;
+  if (m == 0) return ffi::Error::Success();
+  thread_local QuantizedRows rows;
+  rows.xq.resize(m * k), rows.xs.resize(m * blocks), rows.sx.resize(m * blocks);
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row(x.typed_data() + r * k, k, rows.xq.data() + r * k,
+                 rows.xs.data() + r * blocks, rows.sx.data() + r * blocks);
+  const Problem pr{&rows, q.typed_data(), scale.typed_data(), min.typed_data(),
+                   y->typed_data(), m, k, qd[1]};
   jaxserve::parallel_for(pool, pr.n / NP, [pr](int64_t p) {
-    thread_local std::vector<float> acc, w;
+    thread_local std::vector<float> acc;
+    thread_local std::vector<int16_t> w;
     panel(pr, p, acc, w);
   });
   return ffi::Error::Success();
