@@ -224,9 +224,14 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (m == 0) return ffi::Error::Success();
   thread_local QuantizedRows rows;
   rows.xq.resize(m * k), rows.xs.resize(m * blocks), rows.sx.resize(m * blocks);
-  for (int64_t r = 0; r < m; ++r)
-    quantize_row(x.typed_data() + r * k, k, rows.xq.data() + r * k,
-                 rows.xs.data() + r * blocks, rows.sx.data() + r * blocks);
+  // Rows are scaled on every thread: a 512-token prefill scales 512 rows per product.
+  // (The caller's thread_local rows, by pointer: a helper's own would be another.)
+  const float* xp = x.typed_data();
+  int16_t* xq = rows.xq.data();
+  float *xs = rows.xs.data(), *sx = rows.sx.data();
+  jaxserve::parallel_for(pool, m, [xp, xq, xs, sx, k, blocks](int64_t r) {
+    quantize_row(xp + r * k, k, xq + r * k, xs + r * blocks, sx + r * blocks);
+  });
   const Problem pr{&rows, q.typed_data(), scale.typed_data(), min.typed_data(),
                    y->typed_data(), m, k, qd[1]};
   jaxserve::parallel_for(pool, pr.n / NP, [pr](int64_t p) {
