@@ -27,6 +27,7 @@ SOURCE_DIR = os.path.join(os.path.dirname(__file__), "cpu")
 TARGETS = {
     "jaxserve_ragged_paged_attention": "RaggedPagedAttention",
     "jaxserve_block_matmul": "BlockMatmul",
+    "jaxserve_block_matmul_q4": "BlockMatmulQ4",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-w")
 

@@ -34,9 +34,9 @@ from models.quant import dequantize, requantize_q8
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
-# (x (T, K), quantized weight (K..., N...), contracted axes) -> (T, N...), or None where this
-# weight is not one it reads (the step then expands the weight and runs the dot).
-BlockMatmulFn = Callable[[jax.Array, dict, int], jax.Array | None]
+# (x (T, K), quantized weight, contracted axes, the weight's shape (K..., N...)) -> (T, N...),
+# or None where this weight is not one it reads (the step then expands it and runs the dot).
+BlockMatmulFn = Callable[[jax.Array, dict, int, tuple[int, ...]], jax.Array | None]
 
 
 class RMSNorm(nn.Module):
@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
         one dot on the expanded weight (one contraction: with two contracting dims XLA:CPU
         copies the weight every step)."""
         if self.block_matmul is not None and self.has_variable("params", name):
-            y = self.block_matmul(x, self.get_variable("params", name), contract)
+            y = self.block_matmul(x, self.get_variable("params", name), contract, shape)
             if y is not None:
                 return y
         w = self.weight(name, shape)
@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
         dequantized here, inside the step, so only their int8 codes stream from memory (and,
         under nn.scan, are sliced out of the layer stacks)."""
         if self.has_variable("params", name):
-            return dequantize(self.get_variable("params", name), self.dtype)
+            return dequantize(self.get_variable("params", name), self.dtype, shape)
         return self.param(name, nn.initializers.normal(0.02), shape, self.dtype)
 
 
@@ -148,7 +148,7 @@ def lm_logits(cfg: ModelConfig, x: jax.Array, params: dict,
     """Final hidden states (N, D) -> logits (N, V) float32: through `block_matmul` on the
     params' HEAD_BLOCKS where both are there, else a dot with head_weight()."""
     if block_matmul is not None and HEAD_BLOCKS in params:
-        logits = block_matmul(x, params[HEAD_BLOCKS], 1)
+        logits = block_matmul(x, params[HEAD_BLOCKS], 1, params[HEAD_BLOCKS]["q"].shape)
         if logits is not None:
             return logits
     spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"

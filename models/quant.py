@@ -19,6 +19,14 @@ layer stacks.
 A quantized weight is a dict {"q", "scale", "min"} (plain dicts, so orbax, jax.tree and the
 sharding specs see three arrays). In any layout the three planes have the weight's rank; the
 block axis is the one where scale is 32x shorter than q.
+
+`pack_nibbles` gives a second form of the same weight, {"q4", "scale", "min"}, made for the
+CPU block matmul (kernels/cpu_matmul.py): a nibble type's codes two to a byte and scale and min
+as float16 (GGUF's own width), laid out panel by panel of 32 outputs in the order the kernel
+reads them (kernels/cpu/block_matmul.cc describes it), held as uint32 words. It holds the same
+numbers in half the bytes (0.625 per weight instead of 1.25) and one contiguous stream per
+panel. Its planes no longer have the weight's shape, so reading it back (`unpack_nibbles`,
+`dequantize`) takes that shape.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import numpy as np
 
 BLOCK = 32
 PLANES = ("q", "scale", "min")
+NIBBLE_PLANES = ("q4", "scale", "min")  # pack_nibbles' form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +95,15 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | 
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, Mapping) and set(w) == set(PLANES)
+    return isinstance(w, Mapping) and set(w) in (set(PLANES), set(NIBBLE_PLANES))
+
+
+def is_nibbles(w: Mapping) -> bool:
+    return "q4" in w
 
 
 def block_axis(w: Mapping) -> int:
-    """The axis along which scale is BLOCK times shorter than q."""
+    """The axis along which scale is BLOCK times shorter than q (the int8 form)."""
     q, s = w["q"].shape, w["scale"].shape
     axes = [i for i, (a, b) in enumerate(zip(q, s, strict=True)) if a != b]
     if len(axes) != 1 or q[axes[0]] != s[axes[0]] * BLOCK:
@@ -105,17 +118,106 @@ def _dequantize(w: Mapping, xp):
     ax = block_axis(w)
     q = w["q"]
     split = q.shape[:ax] + (q.shape[ax] // BLOCK, BLOCK) + q.shape[ax + 1:]
-    s, m = xp.expand_dims(w["scale"], ax + 1), xp.expand_dims(w["min"], ax + 1)
+    s = xp.expand_dims(w["scale"].astype(np.float32), ax + 1)
+    m = xp.expand_dims(w["min"].astype(np.float32), ax + 1)
     return (q.reshape(split).astype(np.float32) * s + m).reshape(q.shape)
 
 
-def dequantize(w, dtype):
+def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | None:
+    """A quantized weight {"q", "scale", "min"} (numpy; its first `batch_dims` axes stacked
+    layers) in the nibble form, or None where that would not hold the same weights exactly:
+    codes spanning more than 16 values, scales and minima that float16 does not hold, or
+    outputs that are not whole panels of 32. Q4_1's codes (0-15) pack as they are; Q4_0's
+    (-8-7, no minimum) as code + 8 with minimum -8 * scale (q * d and (q + 8) * d - 8 * d are
+    both exact in float32, so the weights are too).
+
+    The weight contracts over its axes up to the block axis (K rows of inputs) into N
+    outputs. Per stacked layer: q4 (N / 32, K / 2, 32) bytes, scale and min (N / 32, K / 32,
+    32) float16, each held as uint32 words (last axis 8, 16, 16): XLA:CPU slices a scanned
+    model's layer out of the stacks a word at a time, measured ~4x faster than bytes."""
+    if not is_quantized(w) or is_nibbles(w):
+        return None
+    q = np.asarray(w["q"])
+    ax = block_axis(w)
+    if ax < batch_dims:
+        return None
+    lead = q.shape[:batch_dims]
+    k, n = int(np.prod(q.shape[batch_dims:ax + 1])), int(np.prod(q.shape[ax + 1:]))
+    if n % 32:
+        return None
+    scale = np.asarray(w["scale"], np.float32)
+    minimum = np.asarray(w["min"], np.float32)
+    lo, hi = int(q.min(initial=0)), int(q.max(initial=0))
+    if lo >= 0 and hi <= 15:
+        offset = 0
+    elif lo >= -8 and hi <= 7 and not minimum.any():
+        offset = -8
+    else:
+        return None
+    minimum = minimum + np.float32(offset) * scale
+    halves = {"scale": scale.astype(np.float16), "min": minimum.astype(np.float16)}
+    if not (np.array_equal(halves["scale"].astype(np.float32), scale)
+            and np.array_equal(halves["min"].astype(np.float32), minimum)):
+        return None
+    b = len(lead)
+    u = (q.astype(np.int16) - offset).astype(np.uint8)
+    # (kp, e, p, h, c) -> (p, kp, h, c, e): row 2kp + e, column 32p + 16h + c; byte j = 2c + e
+    # of a pair of rows holds the column's codes of h = 0 (low nibble) and h = 1 (high).
+    u = u.reshape(*lead, k // 2, 2, n // 32, 2, 16)
+    u = u.transpose(*range(b), b + 2, b, b + 3, b + 4, b + 1).reshape(*lead, n // 32, k // 2,
+                                                                      2, 32)
+    q4 = u[..., 0, :] | (u[..., 1, :] << 4)
+
+    def panels(a):  # (..., K / 32, N) -> (..., N / 32, K / 32, 32)
+        a = a.reshape(*lead, k // BLOCK, n // 32, 32)
+        return np.ascontiguousarray(np.swapaxes(a, b, b + 1))
+
+    planes = {"q4": np.ascontiguousarray(q4), **{k: panels(a) for k, a in halves.items()}}
+    return {k: a.view(np.uint32) for k, a in planes.items()}
+
+
+def _words_as(a, dtype, xp):
+    """uint32 words (..., W) as `dtype` (..., W * 4 / itemsize), the same bytes."""
+    if xp is np:
+        return np.ascontiguousarray(a).view(dtype)
+    import jax
+
+    parts = jax.lax.bitcast_convert_type(a, dtype)  # (..., W, 4 / itemsize)
+    return parts.reshape(*a.shape[:-1], -1)
+
+
+def unpack_nibbles(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
+    """The nibble form of a weight of `shape` (one layer's) back in the int8 form, float32
+    scales (xp: numpy or jax.numpy): the planes pack_nibbles started from (Q4_0's as their
+    codes + 8 with minimum -8 * scale, the same weights)."""
+    q4 = _words_as(w["q4"], np.uint8, xp)
+    n, k = q4.shape[0] * 32, q4.shape[1] * 2
+    ax = next(i for i in range(len(shape)) if int(np.prod(shape[:i + 1])) == k)
+    if int(np.prod(shape[ax + 1:])) != n or q4.shape != (n // 32, k // 2, 32):
+        raise ValueError(f"nibble planes of q4 {q4.shape} are not a weight of shape {shape}")
+    u = xp.stack([q4 & 15, q4 >> 4], axis=2).reshape(n // 32, k // 2, 2, 16, 2)
+    q = u.transpose(1, 4, 0, 2, 3).reshape(shape).astype(np.int8)
+    scale_shape = (*shape[:ax], shape[ax] // BLOCK, *shape[ax + 1:])
+
+    def logical(a):  # (N / 32, K / 32, 32) -> the weight's layout with K / 32
+        a = _words_as(a, np.float16, xp)
+        return xp.swapaxes(a, 0, 1).reshape(scale_shape).astype(np.float32)
+
+    return {"q": q, "scale": logical(w["scale"]), "min": logical(w["min"])}
+
+
+def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
     """A param as the model reads it: a quantized dict -> float weights of `dtype`, formed in
-    float32 inside the step (see the module doc for why this is exact); an array unchanged."""
+    float32 inside the step (see the module doc for why this is exact); an array unchanged.
+    The nibble form needs the weight's `shape`."""
     if not is_quantized(w):
         return w
     import jax.numpy as jnp
 
+    if is_nibbles(w):
+        if shape is None:
+            raise ValueError("the nibble form of a weight is read back with its shape")
+        w = unpack_nibbles(w, shape, jnp)
     return _dequantize(w, jnp).astype(dtype)
 
 

@@ -1,12 +1,24 @@
 // y = x @ w for a weight kept in GGUF blocks (models/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// Shapes:
+// Shapes (two handlers, one per form of the codes; models/quant.py makes both):
 //   x      (M, K) float32
 //   q      (K, N) int8      w[k, n] = q[k, n] * scale[k / 32, n] + min[k / 32, n]
 //   scale  (K / 32, N) float32
 //   min    (K / 32, N) float32
+// or, BlockMatmulQ4, the codes as nibbles (values 0-15) two to a byte, in the order the
+// kernel reads them (models/quant.py's pack_nibbles makes it):
+//   q4     (N / 32, K / 2, 32) bytes  panel p, pair of rows kp: byte j holds, low nibble
+//          first, the codes of pair slots j and 32 + j, where slot 2c + e is q[2kp + e, 32p + c]
+//   scale  (N / 32, K / 32, 32) float16   scale[p, b, c] of column 32p + c
+//   min    (N / 32, K / 32, 32) float16
+//   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16): a scanned
+//   model's layers are sliced out of their stacks a word at a time)
 //   y      (M, N) float32
+// A panel's codes and scales are contiguous (one stream, no strided rows), and widening a
+// pair of rows to int16 pairs is a zero-extension, a mask and a shift. The form streams 0.625
+// bytes per weight instead of 1.25; its integer sums and scales are the same numbers as the
+// int8 form's, so y is the same.
 //
 // The products run on integers. Each block of 32 values of a row of x is scaled to int16 by its
 // largest magnitude (xq = round(x * 32767 / amax), so x ~ xq * xs with xs = amax / 32767), and
@@ -84,30 +96,104 @@ inline i16x dot_pairs(i16x acc, i16x w, int32_t pair) {
 #endif
 }
 
-// One block of a panel's weights as int16 pairs: out[kp][c] = (q[2kp][c], q[2kp + 1][c]) for
-// its NP columns c, rows of q `ld` apart.
-inline void widen_pairs(const int8_t* q, int64_t ld, int16_t* out) {
-  for (int kp = 0; kp < KP; ++kp) {
-    const int8_t* even = q + 2 * kp * ld;
-    const int8_t* odd = even + ld;
+// A float16's bits -> float32 (exact). Scales are converted per block and panel, not per
+// product, so the portable path's branches cost nothing that shows.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf, nan
+  } else if (exp) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, exact in float32
+    const float f = float(man) * 0x1p-24f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The two forms of the codes. Each says how many of its rows make a block of 32 rows of k,
+// how one block of a panel's weights widens to int16 pairs (out[kp][c] = (q[2kp][c],
+// q[2kp + 1][c]) for the panel's NP columns c, stored rows of codes `ld` apart), and how a
+// panel's 32 block scales (or minima) load as floats.
+struct Int8Codes {
+  using Code = int8_t;
+  using Scale = float;
+  // (K, N) codes, (K / 32, N) scales: block kb of panel p starts at row 32 kb, column 32 p.
+  static bool shape(ffi::Span<const int64_t> qd, int64_t& k, int64_t& n) {
+    if (qd.size() != 2) return false;
+    k = qd[0], n = qd[1];
+    return true;
+  }
+  static const int8_t* codes(const int8_t* q, int64_t p, int64_t kb, int64_t, int64_t n) {
+    return q + kb * KB * n + p * NP;
+  }
+  static int64_t scale_at(int64_t p, int64_t kb, int64_t, int64_t n) { return kb * n + p * NP; }
+  static v16 scales(const float* s) { return load<v16>(s); }
+  static void widen(const int8_t* q, int64_t n, int16_t* out) {  // rows of q n apart
+    for (int kp = 0; kp < KP; ++kp) {
+      const int8_t* even = q + 2 * kp * n;
+      const int8_t* odd = even + n;
 #if defined(__AVX512BW__)
-    const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)even));
-    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)odd));
-    // Lane j of the result takes a[j / 2] or b[j / 2] (index 32 + j / 2), alternately.
-    const __m512i lo = _mm512_set_epi16(
-        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    _mm512_storeu_si512(out + kp * 2 * NP, _mm512_permutex2var_epi16(a, lo, b));
-    _mm512_storeu_si512(out + kp * 2 * NP + NP, _mm512_permutex2var_epi16(a, hi, b));
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)even));
+      const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)odd));
+      // Lane j of the result takes a[j / 2] or b[j / 2] (index 32 + j / 2), alternately.
+      const __m512i lo = _mm512_set_epi16(
+          47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+      _mm512_storeu_si512(out + kp * 2 * NP, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(out + kp * 2 * NP + NP, _mm512_permutex2var_epi16(a, hi, b));
 #else
-    for (int c = 0; c < NP; ++c) {
-      out[kp * 2 * NP + 2 * c] = even[c];
-      out[kp * 2 * NP + 2 * c + 1] = odd[c];
+      for (int c = 0; c < NP; ++c) {
+        out[kp * 2 * NP + 2 * c] = even[c];
+        out[kp * 2 * NP + 2 * c + 1] = odd[c];
+      }
+#endif
     }
+  }
+};
+
+struct NibbleCodes {
+  using Code = uint8_t;
+  using Scale = uint16_t;  // float16 bits
+  // (N / 32, K / 2, 32) codes, (N / 32, K / 32, 32) scales: see the file comment.
+  static bool shape(ffi::Span<const int64_t> qd, int64_t& k, int64_t& n) {  // words
+    if (qd.size() != 3 || qd[2] != NP / 4) return false;
+    k = 2 * qd[1], n = qd[0] * NP;
+    return true;
+  }
+  static const uint8_t* codes(const uint8_t* q, int64_t p, int64_t kb, int64_t blocks,
+                              int64_t) {
+    return q + (p * blocks + kb) * KP * NP;
+  }
+  static int64_t scale_at(int64_t p, int64_t kb, int64_t blocks, int64_t) {
+    return (p * blocks + kb) * NP;
+  }
+  static v16 scales(const uint16_t* s) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+#else
+    v16 f;
+    for (int i = 0; i < V; ++i) f[i] = half_to_float(s[i]);
+    return f;
 #endif
   }
-}
+  static void widen(const uint8_t* q, int64_t, int16_t* out) {  // a block's 16 x 32 bytes
+    typedef uint8_t u8x32 __attribute__((vector_size(32)));
+    typedef int16_t s16x32 __attribute__((vector_size(64)));
+    for (int kp = 0; kp < KP; ++kp) {
+      const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
+      store(out + kp * 2 * NP, b & 15);
+      store(out + kp * 2 * NP + NP, b >> 4);
+    }
+  }
+};
 
 // x in the form the tiles read: per row r and block b, xq[r, k] int16, xs[r, b] and the float
 // sum of the block's x, sx[r, b].
@@ -182,24 +268,27 @@ constexpr std::array<TileFn, sizeof...(R)> tile_fns(std::integer_sequence<int, R
 }
 constexpr auto kTiles = tile_fns(std::make_integer_sequence<int, MR>{});  // [r - 1]: r rows
 
+template <typename Codes>
 struct Problem {
   const QuantizedRows* x;
-  const int8_t* q;
-  const float* scale;
-  const float* min;
+  const typename Codes::Code* q;
+  const typename Codes::Scale* scale;
+  const typename Codes::Scale* min;
   float* y;
   int64_t m, k, n;
 };
 
-void panel(const Problem& pr, int64_t p, std::vector<float>& acc, std::vector<int16_t>& w) {
+template <typename Codes>
+void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
+           std::vector<int16_t>& w) {
   const int64_t n0 = p * NP, N = pr.n, blocks = pr.k / KB;
   acc.assign(pr.m * NP, 0.f);
   w.resize(KB * NP);
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    const float* s = pr.scale + kb * N + n0;
-    const float* m = pr.min + kb * N + n0;
-    const v16 s0 = load<v16>(s), s1 = load<v16>(s + V), m0 = load<v16>(m), m1 = load<v16>(m + V);
-    widen_pairs(pr.q + kb * KB * N + n0, N, w.data());
+    const int64_t at = Codes::scale_at(p, kb, blocks, N);
+    const v16 s0 = Codes::scales(pr.scale + at), s1 = Codes::scales(pr.scale + at + V);
+    const v16 m0 = Codes::scales(pr.min + at), m1 = Codes::scales(pr.min + at + V);
+    Codes::widen(Codes::codes(pr.q, p, kb, blocks, N), N, w.data());
     for (int64_t r = 0; r < pr.m; r += MR) {
       const int64_t rows = std::min<int64_t>(MR, pr.m - r);
       kTiles[rows - 1](pr.x->xq.data() + r * pr.k + kb * KB, pr.k,
@@ -211,29 +300,30 @@ void panel(const Problem& pr, int64_t p, std::vector<float>& acc, std::vector<in
     std::memcpy(pr.y + r * N + n0, acc.data() + r * NP, NP * sizeof(float));
 }
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> min,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), qd = q.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || xd[1] != qd[0] || qd[0] % KB || qd[1] % NP ||
-      scale.element_count() != qd[0] / KB * qd[1] || min.element_count() != qd[0] / KB * qd[1])
+// y = x @ w for codes stored as `Codes` (the file comment has both layouts).
+template <typename Codes>
+ffi::Error Matmul(ffi::ThreadPool pool, const float* x, ffi::Span<const int64_t> xd,
+                  const typename Codes::Code* q, ffi::Span<const int64_t> qd,
+                  const typename Codes::Scale* scale, size_t scale_count,
+                  const typename Codes::Scale* min, size_t min_count, float* y) {
+  int64_t k = 0, n = 0;
+  if (!Codes::shape(qd, k, n) || xd.size() != 2 || xd[1] != k || k % KB || n % NP ||
+      int64_t(scale_count) != k / KB * n || int64_t(min_count) != k / KB * n)
     return ffi::Error::InvalidArgument(
-        "block matmul: x must be (M, K) and q (K, N), with K a multiple of 32, N of 32, and "
-        "scale and min (K / 32, N)");
-  const int64_t m = xd[0], k = qd[0], blocks = k / KB;
+        "block matmul: x must be (M, K) and q (K, N) (or the nibble form (N / 32, K / 2, "
+        "32)), with K a multiple of 32, N of 32, and scale and min K / 32 x N");
+  const int64_t m = xd[0], blocks = k / KB;
   if (m == 0) return ffi::Error::Success();
   thread_local QuantizedRows rows;
   rows.xq.resize(m * k), rows.xs.resize(m * blocks), rows.sx.resize(m * blocks);
   // Rows are scaled on every thread: a 512-token prefill scales 512 rows per product.
   // (The caller's thread_local rows, by pointer: a helper's own would be another.)
-  const float* xp = x.typed_data();
   int16_t* xq = rows.xq.data();
   float *xs = rows.xs.data(), *sx = rows.sx.data();
-  jaxserve::parallel_for(pool, m, [xp, xq, xs, sx, k, blocks](int64_t r) {
-    quantize_row(xp + r * k, k, xq + r * k, xs + r * blocks, sx + r * blocks);
+  jaxserve::parallel_for(pool, m, [x, xq, xs, sx, k, blocks](int64_t r) {
+    quantize_row(x + r * k, k, xq + r * k, xs + r * blocks, sx + r * blocks);
   });
-  const Problem pr{&rows, q.typed_data(), scale.typed_data(), min.typed_data(),
-                   y->typed_data(), m, k, qd[1]};
+  const Problem<Codes> pr{&rows, q, scale, min, y, m, k, n};
   jaxserve::parallel_for(pool, pr.n / NP, [pr](int64_t p) {
     thread_local std::vector<float> acc;
     thread_local std::vector<int16_t> w;
@@ -242,13 +332,40 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> min,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<Int8Codes>(pool, x.typed_data(), x.dimensions(), q.typed_data(),
+                           q.dimensions(), scale.typed_data(), scale.element_count(),
+                           min.typed_data(), min.element_count(), y->typed_data());
+}
+
+ffi::Error MatmulNibbles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                         ffi::Buffer<ffi::U32> q4, ffi::Buffer<ffi::U32> scale,
+                         ffi::Buffer<ffi::U32> min, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<NibbleCodes>(
+      pool, x.typed_data(), x.dimensions(), reinterpret_cast<const uint8_t*>(q4.untyped_data()),
+      q4.dimensions(), reinterpret_cast<const uint16_t*>(scale.untyped_data()),
+      2 * scale.element_count(), reinterpret_cast<const uint16_t*>(min.untyped_data()),
+      2 * min.element_count(), y->typed_data());
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, MatmulInt8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::S8>>()   // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale
                                   .Arg<ffi::Buffer<ffi::F32>>()  // min
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, MatmulNibbles,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // q4
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // min
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -1,7 +1,8 @@
 """The C++ block-matmul kernel (kernels/cpu_matmul.py) against float64 matmuls: of its own maths
 (x scaled to int16 per block of 32, see cpu/block_matmul.cc) to float32 rounding, and of the
-float x on the expanded weights within the bound that scaling allows; and the head it computes
-from exact Q8 blocks."""
+float x on the expanded weights within the bound that scaling allows; in both forms of the
+codes (int8, and nibble pairs with float16 scales); and the head it computes from exact Q8
+blocks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.cpu_matmul import block_matmul, block_matmul_or_none, fits
+from kernels.cpu_matmul import block_matmul, block_matmul_or_none, fits, pack
 from models import quant
 from models.config import ModelConfig
 from models.llama import HEAD_BLOCKS, head_blocks, lm_logits
@@ -20,20 +21,43 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU ke
 
 def make_weight(rng, shape, block_axis, kind="Q4_1"):
     """A quantized dict of `shape` in blocks of 32 along `block_axis`, with GGUF-like planes:
-    Q4_1 nibbles with a minimum, or Q8_0 codes without one."""
+    Q4_1 nibbles with a minimum, Q4_0 ones (-8 to 7) without, or Q8_0 codes without one."""
     scale_shape = list(shape)
     scale_shape[block_axis] //= quant.BLOCK
     if kind == "Q4_1":
         q = rng.integers(0, 16, shape)
-        m = -rng.random(scale_shape, np.float32) * 0.1
+        m = (-rng.random(scale_shape, np.float32) * 0.1).astype(np.float16).astype(np.float32)
+    elif kind == "Q4_0":
+        q = rng.integers(-8, 8, shape)
+        m = np.zeros(scale_shape, np.float32)
     else:  # as llama.cpp makes them: each block's largest magnitude is the code +-127
         q = np.moveaxis(rng.integers(-126, 127, shape), block_axis, 0)
         q[::quant.BLOCK] = rng.choice([-127, 127], q[::quant.BLOCK].shape)
         q = np.moveaxis(q, 0, block_axis)
         m = np.zeros(scale_shape, np.float32)
-    # float16 scales, as GGUF stores them
+    # float16 scales and minima, as GGUF stores them
     s = (rng.random(scale_shape, np.float32) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
     return {"q": jnp.asarray(q, jnp.int8), "scale": jnp.asarray(s), "min": jnp.asarray(m)}
+
+
+def in_form(w, form):
+    """(w in the kernel's `form`, the int8-form planes of what that form holds): "int8" as
+    made, or "nibbles" (quant.pack_nibbles; Q4_0's codes come back + 8 with minimum
+    -8 * scale, the same weights)."""
+    if form == "int8":
+        return w, w
+    planes = {k: np.asarray(a) for k, a in w.items()}
+    packed = quant.pack_nibbles(planes)
+    assert packed is not None and packed["scale"].dtype == np.uint32  # float16 pairs
+    held = quant.unpack_nibbles(packed, planes["q"].shape)
+    np.testing.assert_array_equal(quant.dequantize_np(held), quant.dequantize_np(planes))
+    return ({k: jnp.asarray(a) for k, a in packed.items()},
+            {k: jnp.asarray(a) for k, a in held.items()})
+
+
+# (kind, form) pairs: Q8_0's codes have no nibble form.
+CASES = [("Q4_1", "int8"), ("Q4_1", "nibbles"), ("Q4_0", "int8"), ("Q4_0", "nibbles"),
+         ("Q8_0", "int8")]
 
 
 def expanded(w, contract):
@@ -66,13 +90,16 @@ def expected(x, w, contract):
     return out.reshape(x.shape[0], *shape[contract:])
 
 
-def assert_within_scaling(got, x, wf):
+def assert_within_scaling(got, x, wf, scaled=None):
     """got (M, N) is the float product x @ wf (K, N) up to what scaling x to int16 allows:
-    each x moves at most amax / 65534 of its block, so y[r, n] at most the sum over k of
-    |wf[k, n]| amax[r, k // 32] / 65534, plus float32 rounding."""
+    each x moves at most amax / 65534 of its block, and only the codes' part of the weight
+    (`scaled`, q * scale; wf where the weight has no minimum) multiplies the scaled x, so
+    y[r, n] moves at most the sum over k of |scaled[k, n]| amax[r, k // 32] / 65534, plus
+    float32 rounding."""
     want = np.asarray(x, np.float64) @ wf
     amax = np.abs(np.asarray(x, np.float64)).reshape(x.shape[0], -1, quant.BLOCK).max(-1)
-    bound = np.repeat(amax, quant.BLOCK, 1) / 65534 @ np.abs(wf)
+    scaled = wf if scaled is None else scaled
+    bound = np.repeat(amax, quant.BLOCK, 1) / 65534 @ np.abs(scaled)
     err = np.abs(np.asarray(got, np.float64).reshape(want.shape) - want)
     assert (err <= bound + 2e-6 * np.abs(want).max() + 1e-7).all()
     assert err.max() > 0 or not np.any(x)  # the bound is not met by being the float maths
@@ -85,16 +112,33 @@ def assert_close(got, want):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max() + 1e-7)
 
 
+def codes_part(w, contract):
+    """The weight's q * scale (its minimum left out) as float64 (K, N)."""
+    return expanded({**w, "min": jnp.zeros_like(w["min"])}, contract)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 12, 13, 40])
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_matches_float64(rows, kind):
+@pytest.mark.parametrize("kind, form", CASES)
+def test_matches_float64(rows, kind, form):
     """Rows around the register tile (12 rows with AVX-512), several panels of 32 columns."""
     rng = np.random.default_rng(rows)
-    w = make_weight(rng, (160, 96), 0, kind)
+    w, held = in_form(make_weight(rng, (160, 96), 0, kind), form)
     x = jnp.asarray(rng.standard_normal((rows, 160)), jnp.float32)
-    got = jax.jit(block_matmul)(x, w)
-    assert_close(got, expected(x, w, 1))
-    assert_within_scaling(got, x, expanded(w, 1))
+    got = jax.jit(block_matmul, static_argnums=(2, 3))(x, w, 1, (160, 96))
+    assert_close(got, expected(x, held, 1))
+    assert_within_scaling(got, x, expanded(held, 1), codes_part(held, 1))
+
+
+@pytest.mark.parametrize("rows", [1, 13, 40])
+def test_nibbles_of_q4_1_give_the_same_numbers(rows):
+    """Q4_1's nibble form holds the same codes, scales and minima, so the kernel's integer sums
+    and epilogue are the same numbers: y is bit-identical to the int8 form's."""
+    rng = np.random.default_rng(20 + rows)
+    w = make_weight(rng, (256, 160), 0)
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(block_matmul(x, in_form(w, "nibbles")[0], 1, (256, 160))),
+        np.asarray(block_matmul(x, w)))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -102,32 +146,42 @@ def test_random_shapes(seed):
     rng = np.random.default_rng(50 + seed)
     k, n, rows = (int(rng.integers(1, 9)) * 32, int(rng.integers(1, 40)) * 32,
                   int(rng.integers(1, 80)))
-    w = make_weight(rng, (k, n), 0, str(rng.choice(["Q4_1", "Q8_0"])))
+    kind, form = CASES[int(rng.integers(len(CASES)))]
+    w, held = in_form(make_weight(rng, (k, n), 0, kind), form)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
-    assert_close(block_matmul(x, w), expected(x, w, 1))
+    assert_close(block_matmul(x, w, 1, (k, n)), expected(x, held, 1))
 
 
+@pytest.mark.parametrize("form", ["int8", "nibbles"])
 @pytest.mark.parametrize("shape, contract", [((64, 3, 32), 1), ((3, 64, 96), 2)])
-def test_projection_layouts(shape, contract):
+def test_projection_layouts(shape, contract, form):
     """The model's layouts: wq (D, N, H) blocks along D, contracted over D; wo (N, H, D)
     blocks along H, contracted over N and H."""
     rng = np.random.default_rng(9)
-    w = make_weight(rng, shape, contract - 1)
+    w, held = in_form(make_weight(rng, shape, contract - 1), form)
     x = jnp.asarray(rng.standard_normal((5, int(np.prod(shape[:contract])))), jnp.float32)
-    got = block_matmul(x, w, contract)
+    got = block_matmul(x, w, contract, shape)
     assert got.shape == (5, *shape[contract:])
-    assert_close(got, expected(x, w, contract))
-    assert_within_scaling(got, x, expanded(w, contract))
+    assert_close(got, expected(x, held, contract))
+    assert_within_scaling(got, x, expanded(held, contract), codes_part(held, contract))
+    # The step's fallback (the weight expanded in jnp, then a dot) reads either form.
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(w, jnp.float32, shape)),
+                                  quant.dequantize_np({k: np.asarray(a) for k, a in held.items()}))
 
 
-def test_inside_a_scan_over_stacked_layers():
-    """Under lax.scan each iteration's weight is a slice of the stacks."""
+@pytest.mark.parametrize("form", ["int8", "nibbles"])
+def test_inside_a_scan_over_stacked_layers(form):
+    """Under lax.scan each iteration's weight is a slice of the stacks (the nibble form
+    packed with the layer axis as a batch axis, as the runner packs a scanned model's)."""
     rng = np.random.default_rng(3)
     ws = [make_weight(rng, (64, 64), 0) for _ in range(3)]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *ws)
+    stacked = jax.tree.map(lambda *a: np.stack([np.asarray(b) for b in a]), *ws)
+    if form == "nibbles":
+        stacked = pack(stacked, batch_dims=1)
+        assert quant.is_nibbles(stacked)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
-    got = jax.jit(lambda x, s: jax.lax.scan(lambda x, w: (block_matmul(x, w), None), x, s)[0])(
-        x, stacked)
+    got = jax.jit(lambda x, s: jax.lax.scan(
+        lambda x, w: (block_matmul(x, w, 1, (64, 64)), None), x, s)[0])(x, stacked)
     want = np.asarray(x, np.float64)
     for w in ws:
         want = want @ expanded(w, 1)
@@ -157,6 +211,30 @@ def test_what_it_does_not_read():
         block_matmul(x, odd)
     with pytest.raises(ValueError, match=r"x of shape \(M, 64\)"):
         block_matmul(jnp.ones((2, 32), jnp.float32), make_weight(rng, (64, 64), 0))
+    nibbles = in_form(make_weight(rng, (64, 64), 0), "nibbles")[0]
+    assert fits(nibbles, 1, (64, 64)) and not fits(nibbles, 1)  # its shape is needed
+    assert not fits(nibbles, 1, (32, 128))  # nor a weight of another K
+    assert not fits({**nibbles, "scale": nibbles["scale"].astype(jnp.float32)}, 1, (64, 64))
+    assert not fits({**nibbles, "q4": nibbles["q4"][:, :16]}, 1, (64, 64))
+    with pytest.raises(ValueError, match="with its shape"):
+        quant.dequantize(nibbles, jnp.float32)
+
+
+def test_pack_turns_what_it_can_into_nibbles():
+    """pack() gives every quantized weight with a nibble form that form, of the same weights,
+    and leaves the rest (Q8_0 codes, plain arrays) as they were."""
+    rng = np.random.default_rng(5)
+    tree = {"a": make_weight(rng, (64, 32), 0), "b": make_weight(rng, (64, 32), 0, "Q4_0"),
+            "c": make_weight(rng, (64, 32), 0, "Q8_0"), "d": np.ones(3, np.float32)}
+    tree = jax.tree.map(np.asarray, tree)
+    out = pack(tree)
+    assert quant.is_nibbles(out["a"]) and quant.is_nibbles(out["b"])
+    assert out["c"] is tree["c"] and out["d"] is tree["d"]
+    for k in "ab":
+        assert out[k]["q4"].nbytes * 2 == tree[k]["q"].nbytes
+        back = quant.unpack_nibbles(out[k], (64, 32))
+        np.testing.assert_array_equal(quant.dequantize_np(back), quant.dequantize_np(tree[k]))
+    assert quant.pack_nibbles(make_weight(rng, (64, 48), 0)) is None  # not whole panels
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -118,7 +118,8 @@ def test_engine_on_kept_blocks_gives_the_float_weights_outputs(tiny_q4_gguf):
     """quantization=auto (blocks on the device) and none (expanded at load): the same tokens
     and the same logprobs (to the bit where the step expands the blocks; within 1e-3 where
     the CPU block-matmul kernel reads them, with x scaled to int16 per block of 32: ~1e-4
-    measured); the params take about a quarter of the bytes."""
+    measured); the params take about a quarter of the bytes, or less where the kernel reads
+    Q4's codes as nibbles."""
     kept, got = _run(tiny_q4_gguf)
     expanded, want = _run(tiny_q4_gguf, quantization="none")
     assert [g[0] for g in got.values()] == [w[0] for w in want.values()]
@@ -134,8 +135,15 @@ def test_engine_on_kept_blocks_gives_the_float_weights_outputs(tiny_q4_gguf):
     assert (kept.runner.block_matmul is not None) == (jax.default_backend() == "cpu")
     assert quant.is_quantized(kept.runner.params["layers"]["w_up"])
     assert not quant.is_quantized(expanded.runner.params["layers"]["w_up"])
-    nbytes = lambda p: sum(a.nbytes for a in jax.tree.leaves(p["layers"]))  # noqa: E731
-    assert nbytes(kept.runner.params) < 0.4 * nbytes(expanded.runner.params)
+    # The kernel reads Q4's codes two to a byte with float16 scales (0.625 bytes a weight);
+    # the expanding step reads int8 codes with float32 ones (1.25).
+    packed = kept.runner.block_matmul is not None
+    assert quant.is_nibbles(kept.runner.params["layers"]["w_up"]) == packed
+    nbytes = lambda p: sum(a.nbytes for a in jax.tree.leaves(p))  # noqa: E731
+    layers = kept.runner.params["layers"], expanded.runner.params["layers"]
+    assert nbytes(layers[0]["w_up"]) / nbytes(layers[1]["w_up"]) == (
+        0.625 if packed else 1.25) / 4
+    assert nbytes(layers[0]) < 0.4 * nbytes(layers[1])
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (forced) devices")
