@@ -32,7 +32,7 @@ from models import quant
 
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
-PANEL = 32  # columns of y per work item: N must be a multiple
+PANEL = quant.PANEL  # columns of y per work item: N must be a multiple
 
 
 def available() -> str | None:

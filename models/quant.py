@@ -39,6 +39,7 @@ import numpy as np
 BLOCK = 32
 PLANES = ("q", "scale", "min")
 NIBBLE_PLANES = ("q4", "scale", "min")  # pack_nibbles' form
+PANEL = 32  # outputs per panel of the nibble form: the CPU block matmul's work item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +119,7 @@ def _dequantize(w: Mapping, xp):
     ax = block_axis(w)
     q = w["q"]
     split = q.shape[:ax] + (q.shape[ax] // BLOCK, BLOCK) + q.shape[ax + 1:]
-    s = xp.expand_dims(w["scale"].astype(np.float32), ax + 1)
-    m = xp.expand_dims(w["min"].astype(np.float32), ax + 1)
+    s, m = xp.expand_dims(w["scale"], ax + 1), xp.expand_dims(w["min"], ax + 1)
     return (q.reshape(split).astype(np.float32) * s + m).reshape(q.shape)
 
 
@@ -143,7 +143,7 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
         return None
     lead = q.shape[:batch_dims]
     k, n = int(np.prod(q.shape[batch_dims:ax + 1])), int(np.prod(q.shape[ax + 1:]))
-    if n % 32:
+    if n % PANEL:
         return None
     scale = np.asarray(w["scale"], np.float32)
     minimum = np.asarray(w["min"], np.float32)
@@ -163,13 +163,13 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
     u = (q.astype(np.int16) - offset).astype(np.uint8)
     # (kp, e, p, h, c) -> (p, kp, h, c, e): row 2kp + e, column 32p + 16h + c; byte j = 2c + e
     # of a pair of rows holds the column's codes of h = 0 (low nibble) and h = 1 (high).
-    u = u.reshape(*lead, k // 2, 2, n // 32, 2, 16)
-    u = u.transpose(*range(b), b + 2, b, b + 3, b + 4, b + 1).reshape(*lead, n // 32, k // 2,
-                                                                      2, 32)
+    u = u.reshape(*lead, k // 2, 2, n // PANEL, 2, PANEL // 2)
+    u = u.transpose(*range(b), b + 2, b, b + 3, b + 4, b + 1).reshape(*lead, n // PANEL,
+                                                                      k // 2, 2, PANEL)
     q4 = u[..., 0, :] | (u[..., 1, :] << 4)
 
-    def panels(a):  # (..., K / 32, N) -> (..., N / 32, K / 32, 32)
-        a = a.reshape(*lead, k // BLOCK, n // 32, 32)
+    def panels(a):  # (..., K / 32, N) -> (..., N / PANEL, K / 32, PANEL)
+        a = a.reshape(*lead, k // BLOCK, n // PANEL, PANEL)
         return np.ascontiguousarray(np.swapaxes(a, b, b + 1))
 
     planes = {"q4": np.ascontiguousarray(q4), **{k: panels(a) for k, a in halves.items()}}
@@ -191,15 +191,15 @@ def unpack_nibbles(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
     scales (xp: numpy or jax.numpy): the planes pack_nibbles started from (Q4_0's as their
     codes + 8 with minimum -8 * scale, the same weights)."""
     q4 = _words_as(w["q4"], np.uint8, xp)
-    n, k = q4.shape[0] * 32, q4.shape[1] * 2
+    n, k = q4.shape[0] * PANEL, q4.shape[1] * 2
     ax = next(i for i in range(len(shape)) if int(np.prod(shape[:i + 1])) == k)
-    if int(np.prod(shape[ax + 1:])) != n or q4.shape != (n // 32, k // 2, 32):
+    if int(np.prod(shape[ax + 1:])) != n or q4.shape != (n // PANEL, k // 2, PANEL):
         raise ValueError(f"nibble planes of q4 {q4.shape} are not a weight of shape {shape}")
-    u = xp.stack([q4 & 15, q4 >> 4], axis=2).reshape(n // 32, k // 2, 2, 16, 2)
+    u = xp.stack([q4 & 15, q4 >> 4], axis=2).reshape(n // PANEL, k // 2, 2, PANEL // 2, 2)
     q = u.transpose(1, 4, 0, 2, 3).reshape(shape).astype(np.int8)
     scale_shape = (*shape[:ax], shape[ax] // BLOCK, *shape[ax + 1:])
 
-    def logical(a):  # (N / 32, K / 32, 32) -> the weight's layout with K / 32
+    def logical(a):  # (N / PANEL, K / 32, PANEL) -> the weight's layout with K / 32
         a = _words_as(a, np.float16, xp)
         return xp.swapaxes(a, 0, 1).reshape(scale_shape).astype(np.float32)
 

@@ -23,7 +23,7 @@ def weight_stream_seconds(params, repeats: int = 9) -> float:
     import jax
     import jax.numpy as jnp
 
-    def words(a):
+    def words(a):  # uint32 words, or float32 values for an array not of whole words
         if a.dtype.itemsize == 4:
             return jax.lax.bitcast_convert_type(a, jnp.uint32).reshape(-1)
         if a.dtype.itemsize in (1, 2) and a.nbytes % 4 == 0:  # 4 / itemsize to a word
@@ -31,8 +31,11 @@ def weight_stream_seconds(params, repeats: int = 9) -> float:
                                                 jnp.uint32)
         return a.astype(jnp.float32).reshape(-1)  # the odd array out (none in the models here)
 
-    reads = (lambda a: jnp.sum(a, dtype=jnp.float32),
-             lambda a: jnp.sum(words(a), dtype=words(a).dtype).astype(jnp.float32))
+    def sum_words(a):
+        w = words(a)
+        return jnp.sum(w, dtype=w.dtype).astype(jnp.float32)
+
+    reads = (lambda a: jnp.sum(a, dtype=jnp.float32), sum_words)
     best = float("inf")
     for read in reads:
         read_all = jax.jit(lambda p, read=read: sum(read(a) for a in jax.tree.leaves(p)))

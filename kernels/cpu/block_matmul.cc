@@ -117,10 +117,10 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// The two forms of the codes. Each says how many of its rows make a block of 32 rows of k,
-// how one block of a panel's weights widens to int16 pairs (out[kp][c] = (q[2kp][c],
-// q[2kp + 1][c]) for the panel's NP columns c, stored rows of codes `ld` apart), and how a
-// panel's 32 block scales (or minima) load as floats.
+// The two forms of the codes. Each says how its planes' dimensions give K and N, where block
+// kb of panel p starts in the codes and the scales, how that block widens to int16 pairs
+// (out[kp][c] = (q[2kp][c], q[2kp + 1][c]) for the panel's NP columns c), and how a panel's
+// 32 block scales (or minima) load as floats.
 struct Int8Codes {
   using Code = int8_t;
   using Scale = float;
@@ -310,8 +310,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, const float* x, ffi::Span<const int64_t>
   if (!Codes::shape(qd, k, n) || xd.size() != 2 || xd[1] != k || k % KB || n % NP ||
       int64_t(scale_count) != k / KB * n || int64_t(min_count) != k / KB * n)
     return ffi::Error::InvalidArgument(
-        "block matmul: x must be (M, K) and q (K, N) (or the nibble form (N / 32, K / 2, "
-        "32)), with K a multiple of 32, N of 32, and scale and min K / 32 x N");
+        "block matmul: x must be (M, K) and q (K, N) (or the nibble form, in uint32 words "
+        "(N / 32, K / 2, 8)), with K a multiple of 32, N of 32, and scale and min K / 32 x N");
   const int64_t m = xd[0], blocks = k / KB;
   if (m == 0) return ffi::Error::Success();
   thread_local QuantizedRows rows;
