@@ -2,6 +2,7 @@
 
     python scripts/bench.py --num-requests 64 --output-len longtail:32:256           # in process
     python scripts/bench.py --compare                     # + static batching and HF baselines
+    python scripts/bench.py --compare --rate 8            # arrivals: Poisson at 8 req/s
     python scripts/bench.py --sweep max_num_seqs=4,8,16 --sweep rate=2,4              # curves
     python scripts/bench.py --server 127.0.0.1:7070 --concurrency 8          # a running server
     python scripts/bench.py --profile-dir traces --profile-steps 20        # XLA profiler trace

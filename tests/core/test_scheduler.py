@@ -77,6 +77,30 @@ def test_static_batching_waits_for_the_whole_batch():
     assert sum(static) == sum(continuous)
 
 
+def test_static_and_continuous_build_one_schedule_when_all_fit_and_arrive_at_once():
+    """With every request there at the start and no more than max_num_seqs of them, there is
+    nothing for continuous batching to refill: static's one batch and FCFS give the very same
+    steps (chunked prefills, decodes, finishes). Continuous batching differs, and wins, once
+    requests arrive over time or outnumber the running set (the test above)."""
+    def run(policy, late=None):
+        s = sim(max_num_seqs=8, max_num_batched_tokens=16, policy=policy)
+        steps = []
+        for i, (p, n) in enumerate([(9, 2), (20, 12), (3, 3), (14, 7), (5, 2), (11, 9)]):
+            s.add(f"r{i}", p, n)
+        while s.requests:
+            if late is not None and len(steps) == 2:
+                s.add("late", 4, 2)
+                late = None
+            steps.append([(x.seq.request_id, x.start, x.num_tokens) for x in s.step().scheduled])
+        return steps
+
+    assert run("static") == run("fcfs")
+    static, continuous = run("static", late=True), run("fcfs", late=True)
+    assert len(static) > len(continuous)  # the late one waits for the whole batch under static
+    first = lambda steps: next(i for i, st in enumerate(steps) if "late" in {x[0] for x in st})
+    assert first(static) > first(continuous)
+
+
 def test_preemption_recompute_and_swap_resume():
     for mode, host in (("recompute", 0), ("swap", 64)):
         s = sim(num_blocks=12, block_size=4, host=host, max_num_seqs=4, preemption_mode=mode)
