@@ -7,6 +7,11 @@ to the tile's own positions. The jnp backends instead gather each row's padded c
 new array and read it two more times (transpose, dots). On SmolLM2-135M's decode steps the
 kernel's attention took ~2.5x less time than the `xla` backend's (see the README).
 
+It reads float32, float16 or bfloat16 pools; half precision is widened to float32 as it loads
+(exactly), so attention streams half the bytes. 30 layers of 32 decodes over 150 tokens, median
+of 20: 22.3 / 22.9 ms from a float32 pool, 15.4 / 16.0 from float16, 16.4 from bfloat16 (with
+AVX2; the scalar widening took 22.2).
+
 It is built with the other CPU kernels by `kernels/cpu_library.py`.
 """
 
@@ -23,6 +28,8 @@ from kernels.metadata import AttentionMetadata, check_attention_inputs
 
 TARGET = "jaxserve_ragged_paged_attention"
 MAX_GROUPS = 16  # query heads per kv head
+# Pool dtypes it reads: half-precision pools are widened to float32 as they load.
+PAGE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
 @functools.cache
@@ -55,8 +62,8 @@ def available(dtype=None, head_dim: int | None = None, groups: int | None = None
 
 def ragged_paged_attention_cpu(
     q: jax.Array,  # (T, N, H) float32
-    k_pool: jax.Array,  # (L, P, B, K, H) float32
-    v_pool: jax.Array,  # (L, P, B, K, H) float32
+    k_pool: jax.Array,  # (L, P, B, K, H) float32, float16 or bfloat16 (both pools alike)
+    v_pool: jax.Array,  # (L, P, B, K, H)
     layer: jax.Array | int,  # () int32
     md: AttentionMetadata,
     *,
@@ -64,7 +71,7 @@ def ragged_paged_attention_cpu(
     block_q: int = 16,
 ) -> jax.Array:  # (T, N, H) float32; padding rows are zeros
     """Same contract as `ragged_paged_attention_reference`; query tiles of `block_q` rows."""
-    check_attention_inputs(q, k_pool, v_pool, md)
+    check_attention_inputs(q, k_pool, v_pool, md, PAGE_DTYPES)
     why = available(q.dtype, q.shape[-1], q.shape[1] // k_pool.shape[3])
     if why:
         raise ValueError(f"the cpu attention kernel cannot run: {why}")

@@ -30,8 +30,10 @@ class AttentionMetadata:
 _SKIP_ROW = 1 << 30  # first row of a padding tile: past any sequence, so the tile does nothing
 
 
-def check_attention_inputs(q, k_pages, v_pages, md: AttentionMetadata) -> None:
-    """Raise ValueError naming what is wrong with a paged-attention call's inputs."""
+def check_attention_inputs(q, k_pages, v_pages, md: AttentionMetadata,
+                           page_dtypes: tuple | None = None) -> None:
+    """Raise ValueError naming what is wrong with a paged-attention call's inputs.
+    `page_dtypes`: the pool dtypes a backend reads whatever q's (default: q's own only)."""
     t, n, h = q.shape
     if k_pages.ndim != 5:
         raise ValueError(f"k_pages must be (L, P, B, K, H), got shape {k_pages.shape}")
@@ -44,8 +46,13 @@ def check_attention_inputs(q, k_pages, v_pages, md: AttentionMetadata) -> None:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({kv_heads})")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k page dtype {k_pages.dtype} != v page dtype {v_pages.dtype}")
+    if page_dtypes is None and k_pages.dtype != q.dtype:
         raise ValueError(f"page dtype {k_pages.dtype} must match q dtype {q.dtype}")
+    if page_dtypes is not None and k_pages.dtype not in page_dtypes:
+        raise ValueError(f"page dtype {k_pages.dtype} is not one of "
+                         f"{[jnp.dtype(d).name for d in page_dtypes]}")
     s = md.context_lens.shape[0]
     if md.query_start_loc.shape != (s + 1,) or md.block_tables.shape[0] != s:
         raise ValueError("metadata: query_start_loc must be (S + 1,) and block_tables (S, MB) "

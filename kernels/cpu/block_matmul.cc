@@ -48,6 +48,7 @@
 #include <immintrin.h>
 #endif
 
+#include "half.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -94,27 +95,6 @@ inline i16x dot_pairs(i16x acc, i16x w, int32_t pair) {
   for (int i = 0; i < V; ++i) acc[i] += w16[2 * i] * lo + w16[2 * i + 1] * hi;
   return acc;
 #endif
-}
-
-// A float16's bits -> float32 (exact). Scales are converted per block and panel, not per
-// product, so the portable path's branches cost nothing that shows.
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);  // inf, nan
-  } else if (exp) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: man * 2^-24, exact in float32
-    const float f = float(man) * 0x1p-24f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 // The two forms of the codes. Each says how its planes' dimensions give K and N, where block
@@ -180,7 +160,7 @@ struct NibbleCodes {
     return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
 #else
     v16 f;
-    for (int i = 0; i < V; ++i) f[i] = half_to_float(s[i]);
+    for (int i = 0; i < V; ++i) f[i] = jaxserve::half_to_float(s[i]);
     return f;
 #endif
   }

@@ -10,7 +10,8 @@
 //
 // Shapes (the axis legend of the Python side):
 //   q            (T, N, H) float32     N = K * G query heads
-//   k/v pool     (L, P, B, K, H) float32
+//   k/v pool     (L, P, B, K, H) float32, float16 or bfloat16 (both are widened to float32 as
+//                                    they load; the arithmetic is float32 either way)
 //   layer        () int32              the layer whose pages are read
 //   block_tables (S, MB) int32
 //   positions    (T,) int32            a row sees keys 0..position of its sequence
@@ -23,6 +24,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "half.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -67,10 +73,42 @@ inline v8 exp_nonpositive(v8 x) {
   return p * scale;
 }
 
+// How the pool's rows are stored: float32, or the bits of float16 or bfloat16. A page row is
+// read eight values at a time, as floats; a half-precision pool halves what attention streams.
+struct F32Pages {
+  using T = float;
+  static v8 load8(const float* p) { return load(p); }
+};
+struct F16Pages {
+  using T = uint16_t;
+  static v8 load8(const uint16_t* p) {
+#if defined(__F16C__)
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    v8 x;
+    for (int i = 0; i < W; ++i) x[i] = jaxserve::half_to_float(p[i]);
+    return x;
+#endif
+  }
+};
+struct BF16Pages {
+  using T = uint16_t;
+  static v8 load8(const uint16_t* p) {
+#if defined(__AVX2__)
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#else
+    v8 x;
+    for (int i = 0; i < W; ++i) x[i] = jaxserve::bfloat16_to_float(p[i]);
+    return x;
+#endif
+  }
+};
+
 struct Problem {
   const float* q;
-  const float* k_pages;  // the layer's (P, B, K, H)
-  const float* v_pages;
+  const void* k_pages;  // the layer's (P, B, K, H), of the pool's element type
+  const void* v_pages;
   const int32_t* tables;
   const int32_t* positions;
   float* out;
@@ -88,8 +126,9 @@ struct Scratch {
   std::vector<float> p, acc, q, norm;
 };
 
-template <int HV>  // head dim = HV * 8
+template <typename Pages, int HV>  // head dim = HV * 8
 void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
+  using T = typename Pages::T;
   constexpr int64_t H = HV * W;
   const int64_t G = pr.groups, K = pr.kv_heads, B = pr.block;
   const int64_t rows = tile.rows, rg = rows * G;
@@ -105,8 +144,9 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   const int64_t stride = (n_keys + W - 1) / W * W;  // a row of scores, padded to whole vectors
   const int64_t row_floats = K * H;  // one token's keys (or values), all kv heads
   // The rows of block j (keys j*B ...), all kv heads: B * K * H contiguous floats.
-  auto block_rows = [&](const float* pages, int64_t j) {
-    return pages + std::clamp<int64_t>(table[j], 0, pr.pages - 1) * B * row_floats;
+  auto block_rows = [&](const void* pages, int64_t j) {
+    return static_cast<const T*>(pages) +
+           std::clamp<int64_t>(table[j], 0, pr.pages - 1) * B * row_floats;
   };
   // Every buffer is laid out (kv head, row, head of the group, ...): u = (kh * rows + r) * G + g.
   const int64_t units = K * rg;
@@ -123,10 +163,10 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
       }
   // Scores: each key row (all kv heads, contiguous) is read once for the whole tile.
   for (int64_t c = 0; c < n_keys; ++c) {
-    const float* kr = block_rows(pr.k_pages, c / B) + (c % B) * row_floats;
+    const T* kr = block_rows(pr.k_pages, c / B) + (c % B) * row_floats;
     for (int64_t kh = 0; kh < K; ++kh) {
       v8 kv[HV];
-      for (int i = 0; i < HV; ++i) kv[i] = load(kr + kh * H + i * W);
+      for (int i = 0; i < HV; ++i) kv[i] = Pages::load8(kr + kh * H + i * W);
       for (int64_t r = 0; r < rows; ++r) {
         if (c >= seen[r]) continue;
         const int64_t u0 = (kh * rows + r) * G;
@@ -167,10 +207,10 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   }
   // Probabilities times values: each value row is read once for the whole tile.
   for (int64_t c = 0; c < n_keys; ++c) {
-    const float* vr = block_rows(pr.v_pages, c / B) + (c % B) * row_floats;
+    const T* vr = block_rows(pr.v_pages, c / B) + (c % B) * row_floats;
     for (int64_t kh = 0; kh < K; ++kh) {
       v8 vv[HV];
-      for (int i = 0; i < HV; ++i) vv[i] = load(vr + kh * H + i * W);
+      for (int i = 0; i < HV; ++i) vv[i] = Pages::load8(vr + kh * H + i * W);
       for (int64_t r = 0; r < rows; ++r) {
         if (c >= seen[r]) continue;
         const int64_t u0 = (kh * rows + r) * G;
@@ -198,15 +238,25 @@ using TileFn = void (*)(const Problem&, const Tile&, Scratch&);
 // The head dims compiled, in vectors of 8: 8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 256.
 using HeadVectors = std::integer_sequence<int, 1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32>;
 
-template <int... HV>
+template <typename Pages, int... HV>
 TileFn tile_fn(int64_t head_dim, std::integer_sequence<int, HV...>) {
   TileFn fn = nullptr;
-  ((fn = head_dim == HV * W ? attend_tile<HV> : fn), ...);
+  ((fn = head_dim == HV * W ? attend_tile<Pages, HV> : fn), ...);
   return fn;
 }
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                     ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+// The tile function for this pool's element type and head dim, or nullptr.
+TileFn tile_fn(ffi::DataType pages, int64_t head_dim) {
+  switch (pages) {
+    case ffi::DataType::F32: return tile_fn<F32Pages>(head_dim, HeadVectors{});
+    case ffi::DataType::F16: return tile_fn<F16Pages>(head_dim, HeadVectors{});
+    case ffi::DataType::BF16: return tile_fn<BF16Pages>(head_dim, HeadVectors{});
+    default: return nullptr;
+  }
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                     ffi::AnyBuffer v_pool,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                      ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> query_start,
                      ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q) {
@@ -218,14 +268,20 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t t = qd[0], n = qd[1], h = qd[2];
   const int64_t num_layers = pd[0], kv_heads = pd[3];
   const int64_t s = block_tables.dimensions()[0];
-  const TileFn fn = tile_fn(h, HeadVectors{});
-  if (fn == nullptr || pd[4] != h || n % kv_heads != 0 || n / kv_heads > 16 || block_q < 1 ||
+  const TileFn fn = tile_fn(k_pool.element_type(), h);
+  if (fn == nullptr || num_layers < 1 || v_pool.element_type() != k_pool.element_type() ||
+      v_pool.dimensions().size() != 5 || !std::equal(pd.begin(), pd.end(),
+                                                     v_pool.dimensions().begin()) ||
+      pd[4] != h || n % kv_heads != 0 || n / kv_heads > 16 || block_q < 1 ||
       block_q > 64 || query_start.element_count() != s + 1)
-    return ffi::Error::InvalidArgument("paged attention: unsupported shapes");
+    return ffi::Error::InvalidArgument(
+        "paged attention: unsupported shapes or pool types (k and v pools alike, float32, "
+        "float16 or bfloat16)");
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
-  const int64_t layer_floats = pd[1] * pd[2] * pd[3] * pd[4];
-  Problem pr{q.typed_data(), k_pool.typed_data() + l * layer_floats,
-             v_pool.typed_data() + l * layer_floats, block_tables.typed_data(),
+  const int64_t layer_bytes = k_pool.size_bytes() / num_layers;
+  Problem pr{q.typed_data(), static_cast<const char*>(k_pool.untyped_data()) + l * layer_bytes,
+             static_cast<const char*>(v_pool.untyped_data()) + l * layer_bytes,
+             block_tables.typed_data(),
              positions.typed_data(), out->typed_data(), n, kv_heads, n / kv_heads,
              pd[1], pd[2], block_tables.dimensions()[1], scale};
 
@@ -252,8 +308,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::AnyBuffer>()  // k_pool
+                                  .Arg<ffi::AnyBuffer>()  // v_pool
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions

@@ -37,6 +37,24 @@ def test_matches_reference(groups, head_dim, block_q):
     assert not np.asarray(got[t:]).any()  # padding rows are zeros
 
 
+@pytest.mark.parametrize("pool_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("block_q", [1, 16])
+def test_half_precision_pools_give_their_float32_values_results(pool_dtype, block_q):
+    """A float16 or bfloat16 pool is widened to float32 as it loads, exactly, and the rest is
+    the same arithmetic: the output equals, bit for bit, that of a float32 pool holding the
+    same (rounded) values, and it matches the reference on those values."""
+    q, k, v, md, t = make_case(11, MIXED, kv_heads=3, groups=3, dtype="float32", head_dim=64)
+    kh, vh = k.astype(pool_dtype), v.astype(pool_dtype)
+    got = run(q, kh, vh, md, block_q=block_q)
+    want = run(q, kh.astype(jnp.float32), vh.astype(jnp.float32), md, block_q=block_q)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_close(got, ragged_paged_attention_reference(q, kh.astype(jnp.float32),
+                                                       vh.astype(jnp.float32), LAYER, md),
+                 t, "float32")
+    # Rounding the pool is what changes the result, and only by its precision.
+    assert not np.array_equal(np.asarray(got), np.asarray(run(q, k, v, md, block_q=block_q)))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_ragged_batches(seed):
     """Many sequences (more tiles than threads), block sizes 8 and 16, tiles of 1 to 64 rows."""

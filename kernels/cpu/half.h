@@ -1,0 +1,39 @@
+// Half-precision bits -> float32, exactly: float16 (scales of the block matmul's nibble form,
+// and K/V pages) and bfloat16 (K/V pages).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace jaxserve {
+
+// A float16's bits -> float32. The portable path, for CPUs without F16C; its branches are
+// cheap next to what the callers do with each value.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf, nan
+  } else if (exp) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, exact in float32
+    const float f = float(man) * 0x1p-24f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A bfloat16's bits -> float32: the top half of a float32.
+inline float bfloat16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace jaxserve
