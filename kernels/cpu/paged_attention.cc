@@ -75,6 +75,14 @@ inline v8 exp_nonpositive(v8 x) {
 
 // How the pool's rows are stored: float32, or the bits of float16 or bfloat16. A page row is
 // read eight values at a time, as floats; a half-precision pool halves what attention streams.
+// Eight half-precision values widened one at a time, where the CPU lacks the vector form.
+template <float (*Widen)(uint16_t)>
+inline v8 widen_each(const uint16_t* p) {
+  v8 x;
+  for (int i = 0; i < W; ++i) x[i] = Widen(p[i]);
+  return x;
+}
+
 struct F32Pages {
   using T = float;
   static v8 load8(const float* p) { return load(p); }
@@ -85,9 +93,7 @@ struct F16Pages {
 #if defined(__F16C__)
     return (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-    v8 x;
-    for (int i = 0; i < W; ++i) x[i] = jaxserve::half_to_float(p[i]);
-    return x;
+    return widen_each<jaxserve::half_to_float>(p);
 #endif
   }
 };
@@ -98,9 +104,7 @@ struct BF16Pages {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return (v8)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 #else
-    v8 x;
-    for (int i = 0; i < W; ++i) x[i] = jaxserve::bfloat16_to_float(p[i]);
-    return x;
+    return widen_each<jaxserve::bfloat16_to_float>(p);
 #endif
   }
 };
@@ -143,7 +147,7 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   }
   const int64_t stride = (n_keys + W - 1) / W * W;  // a row of scores, padded to whole vectors
   const int64_t row_floats = K * H;  // one token's keys (or values), all kv heads
-  // The rows of block j (keys j*B ...), all kv heads: B * K * H contiguous floats.
+  // The rows of block j (keys j*B ...), all kv heads: B * K * H contiguous values.
   auto block_rows = [&](const void* pages, int64_t j) {
     return static_cast<const T*>(pages) +
            std::clamp<int64_t>(table[j], 0, pr.pages - 1) * B * row_floats;
