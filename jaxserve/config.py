@@ -59,6 +59,10 @@ class EngineConfig:
         None, "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     dtype: str = option("auto", f"weights and KV dtype, one of {', '.join(DTYPES)} "
                                 "(auto: bfloat16 on a GPU/TPU, float32 on a CPU)")
+    kv_cache_dtype: str = option(
+        "auto", f"KV pool dtype, one of {', '.join(DTYPES)} (auto: the dtype's). A float16 or "
+                "bfloat16 pool under a float32 model halves what attention reads, and holds "
+                "twice the tokens in the same bytes (the cpu and jnp attention backends)")
     max_model_len: int = option(2048, "longest sequence (prompt + output) a request may reach")
     max_num_seqs: int = option(64, "most sequences in one step (the running set)")
     max_num_batched_tokens: int = option(512, "token budget of one step (prefill + decode)")
@@ -178,8 +182,10 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, "
+                                 f"got {getattr(self, name)!r}")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "

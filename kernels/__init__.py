@@ -41,17 +41,27 @@ GPU_ORDER = (AttentionBackend.MOSAIC, AttentionBackend.TRITON, AttentionBackend.
 
 
 def unavailable(backend: AttentionBackend, *, dtype=None, head_dim: int | None = None,
-                groups: int | None = None, block_size: int | None = None) -> str | None:
-    """Why `backend` cannot run here (for a model of these shapes, where given), or None."""
+                groups: int | None = None, block_size: int | None = None,
+                kv_dtype=None) -> str | None:
+    """Why `backend` cannot run here (for a model of these shapes, where given), or None.
+    `kv_dtype`: the KV pool's dtype where it is not the model's (kv_cache_dtype)."""
     import jax
+    import jax.numpy as jnp
 
     platform = jax.default_backend()
     if backend in (AttentionBackend.REFERENCE, AttentionBackend.XLA):
-        return None
+        return None  # they compute in q's dtype whatever the pool's
     if backend is AttentionBackend.CPU:
         from kernels import cpu_attention
 
-        return cpu_attention.available(dtype, head_dim, groups)
+        why = cpu_attention.available(dtype, head_dim, groups)
+        if why is None and kv_dtype is not None and jnp.dtype(kv_dtype) not in map(
+                jnp.dtype, cpu_attention.PAGE_DTYPES):
+            return f"it reads float32, float16 or bfloat16 pools, not {jnp.dtype(kv_dtype).name}"
+        return why
+    if kv_dtype is not None and dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+        return (f"it reads pools of the model's dtype ({jnp.dtype(dtype).name}), not "
+                f"kv_cache_dtype {jnp.dtype(kv_dtype).name}")
     if backend is AttentionBackend.TRITON:
         from kernels import triton_attention
 

@@ -30,7 +30,8 @@ def ragged_paged_attention_reference(
     scale = h**-0.5 if scale is None else scale
 
     tables = md.block_tables[md.token_seq]  # (T, MB)
-    k, v = k_pool[layer, tables], v_pool[layer, tables]  # (T, MB, B, K, H)
+    # (T, MB, B, K, H), in q's dtype (a pool of another dtype: kv_cache_dtype)
+    k, v = k_pool[layer, tables].astype(q.dtype), v_pool[layer, tables].astype(q.dtype)
     if isinstance(layer, int):
         # A static layer (unrolled layers): XLA:CPU would fuse the gather into the dot's
         # transpose as one element-by-element loop over the pool; kept apart, the gather moves

@@ -50,8 +50,9 @@ def _online_attention(q, q_pos, tables, k_pool, v_pool, layer, scale, chunk_bloc
     def chunk(j, carry):
         m, norm, acc = carry  # running max (R, Q, K, G), normalizer (same), output (..., H)
         ids = tables[:, j]  # (R, c)
-        k = k_pool[layer, ids].reshape(r, c * b, kh, h)
-        v = v_pool[layer, ids].reshape(r, c * b, kh, h)
+        # A pool of another dtype (kv_cache_dtype) computes in q's.
+        k = k_pool[layer, ids].reshape(r, c * b, kh, h).astype(q.dtype)
+        v = v_pool[layer, ids].reshape(r, c * b, kh, h).astype(q.dtype)
         s = jnp.einsum("rqkgh,rckh->rqkgc", q, k, preferred_element_type=jnp.float32) * scale
         seen = j * c * b + offs[None, None, :] <= q_pos[:, :, None]  # (R, Q, cB)
         s = jnp.where(seen[:, :, None, None, :], s, _MASKED)
@@ -148,8 +149,8 @@ def ragged_paged_attention_xla(
     tables = md.block_tables[tile_seq]  # (NT, MB)
     c = _chunks(True, mb, chunk_blocks)
     if c is None:
-        k = k_pool[layer, tables].reshape(num_tiles, mb * b, kh, h)
-        v = v_pool[layer, tables].reshape(num_tiles, mb * b, kh, h)
+        k = k_pool[layer, tables].reshape(num_tiles, mb * b, kh, h).astype(q.dtype)
+        v = v_pool[layer, tables].reshape(num_tiles, mb * b, kh, h).astype(q.dtype)
         tail = _attend(q_tiles, k, v, q_pos, scale)
     else:
         tail = _online_attention(q_tiles, q_pos, tables, k_pool, v_pool, layer, scale, c)

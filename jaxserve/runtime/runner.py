@@ -106,10 +106,13 @@ class ModelRunner:
         self.config = config
         self.compilation_cache_dir = compile_cache.enable(config.compilation_cache_dir)
         self.dtype = resolve_dtype(config.dtype)
+        self.kv_dtype = (self.dtype if config.kv_cache_dtype == "auto"
+                         else resolve_dtype(config.kv_cache_dtype))
         lc = loaded.config
         self.attention_backend, attn_fn = select_attention(
             config.attention_backend, dtype=self.dtype, head_dim=lc.head_dim,
-            groups=lc.num_heads // lc.num_kv_heads, block_size=config.block_size)
+            groups=lc.num_heads // lc.num_kv_heads, block_size=config.block_size,
+            kv_dtype=None if self.kv_dtype == self.dtype else self.kv_dtype)
         scan = config.layer_loop is LayerLoop.SCAN
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         self.devices = sharding.device_group(devices, tp)
@@ -150,11 +153,11 @@ class ModelRunner:
         params = as_step_params(mc, params)
         self.draft_config = self._check_draft(config, loaded, draft)
         self.block_size = config.block_size
-        per_block = bytes_per_block(mc, config.block_size, self.dtype)
+        per_block = bytes_per_block(mc, config.block_size, self.kv_dtype)
         if self.draft_config is not None:  # its pool has the same blocks: they share the budget
             self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
                                            scan_layers=scan, block_matmul=self.block_matmul)
-            per_block += bytes_per_block(self.draft_config, config.block_size, self.dtype)
+            per_block += bytes_per_block(self.draft_config, config.block_size, self.kv_dtype)
         # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.devices[0])
@@ -162,18 +165,18 @@ class ModelRunner:
         if self.mesh is None:  # committed to its device: the jitted step runs where they live
             rep = jax.sharding.SingleDeviceSharding(self.devices[0])
             self.params = jax.device_put(params, rep)
-            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype, rep)
+            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype, rep)
             if self.draft_config is not None:
                 self.draft_params = jax.device_put(
                     as_step_params(self.draft_config, draft.params), rep)
                 self.draft_kv = KVCache.create(self.draft_config, self.num_blocks,
-                                               self.block_size, self.dtype, rep)
+                                               self.block_size, self.kv_dtype, rep)
             jit_kw = {}
         else:
             specs = sharding.param_specs(params, mc.vocab_size, tp)
             self.params = jax.device_put(params, sharding.named(self.mesh, specs))
             kv_sharding = sharding.named(self.mesh, sharding.KV_SPEC)
-            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.dtype,
+            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
                                      kv_sharding)
             rep = sharding.named(self.mesh, sharding.P())
             jit_kw = {"in_shardings": ((sharding.named(self.mesh, specs),), (kv_sharding,), rep,
