@@ -31,11 +31,21 @@
 // largest (bfloat16 keeps 8 bits; llama.cpp's CPU path quantizes x to int8). The engine's
 // greedy tokens still equal HF transformers' float32 ones (tests/models/test_hf_equivalence.py).
 //
-// A work item is a panel of 32 columns of y. Per block of 32 rows of k, its weights are widened
-// to int16 once, in the pairs the instruction reads, into a buffer that stays in L1, and used by
-// every row of x in tiles of up to MR rows whose int32 sums stay in registers. The integer sums
-// are exact on every path (VNNI, AVX-512BW, portable), and a row's result does not depend on
-// the other rows of x (batch invariance).
+// A work item is a panel of 32 columns of y, computed one of two ways:
+// - rows: up to DR rows of x at a time, each block's codes widened to int16 in registers
+//   straight into the products, and the rows' float sums kept in registers across all the
+//   blocks. Nothing goes through memory but the codes, the scales and x.
+// - tiles: per block of 32 rows of k, the weights widened once, in the pairs the instruction
+//   reads, into a buffer that stays in L1, and used by every row of x in tiles of up to MR
+//   rows whose int32 sums stay in registers; the float sums go to memory per block.
+// Widening the nibble form is a few cheap operations, so it always takes rows (single thread,
+// 30 layers of 576x1536: 0.9 ms instead of 1.5-2.3 at 1 row, 11-12 instead of 13.9-14.1 at 32,
+// 182 instead of 209 at 512). Widening int8 codes takes two shuffles per pair of rows, so
+// repeating it for every DR rows loses past a few rows: the int8 form takes rows up to
+// kFewRows and tiles above (the 576x49152 head: 5.1 ms instead of 9.0 at 1 row, even at 8,
+// 29 instead of 21 at 32). The integer sums are exact on every path (VNNI, AVX-512BW,
+// portable) and both ways finish a block with the same float operations (`fold`), so a row's
+// result does not depend on the way or on the other rows of x (batch invariance).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -65,10 +75,13 @@ constexpr int KP = KB / 2;  // pairs of rows of k per block
 constexpr float kQMax = 32767.f;
 // Rows of x per register tile: 2 * MR int32 sums and 2 weight vectors must fit the register
 // file (32 vector registers with AVX-512, 16 half-width ones without).
+// The rows way keeps 2 float sums per row as well, so it takes fewer rows at a time.
 #if defined(__AVX512F__)
 constexpr int MR = 12;
+constexpr int DR = 6;
 #else
 constexpr int MR = 3;
+constexpr int DR = 1;
 #endif
 
 template <typename T>
@@ -98,9 +111,10 @@ inline i16x dot_pairs(i16x acc, i16x w, int32_t pair) {
 }
 
 // The two forms of the codes. Each says how its planes' dimensions give K and N, where block
-// kb of panel p starts in the codes and the scales, how that block widens to int16 pairs
-// (out[kp][c] = (q[2kp][c], q[2kp + 1][c]) for the panel's NP columns c), and how a panel's
-// 32 block scales (or minima) load as floats.
+// kb of panel p starts in the codes and the scales, how pair kp of that block's rows widens to
+// int16 pairs (w0, w1: lane c of w0 holds (q[2kp][c], q[2kp + 1][c]) for the panel's first 16
+// columns c, w1 the next 16), how a panel's 32 block scales (or minima) load as floats, and up
+// to how many rows of x it takes the rows way (see the file comment).
 struct Int8Codes {
   using Code = int8_t;
   using Scale = float;
@@ -115,28 +129,26 @@ struct Int8Codes {
   }
   static int64_t scale_at(int64_t p, int64_t kb, int64_t, int64_t n) { return kb * n + p * NP; }
   static v16 scales(const float* s) { return load<v16>(s); }
-  static void widen(const int8_t* q, int64_t n, int16_t* out) {  // rows of q n apart
-    for (int kp = 0; kp < KP; ++kp) {
-      const int8_t* even = q + 2 * kp * n;
-      const int8_t* odd = even + n;
+  static void pair(const int8_t* q, int64_t n, int kp, i16x& w0, i16x& w1) {  // rows n apart
+    const int8_t* even = q + 2 * kp * n;
+    const int8_t* odd = even + n;
 #if defined(__AVX512BW__)
-      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)even));
-      const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)odd));
-      // Lane j of the result takes a[j / 2] or b[j / 2] (index 32 + j / 2), alternately.
-      const __m512i lo = _mm512_set_epi16(
-          47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-          39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-      const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-      _mm512_storeu_si512(out + kp * 2 * NP, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(out + kp * 2 * NP + NP, _mm512_permutex2var_epi16(a, hi, b));
+    const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)even));
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)odd));
+    // Lane j of the result takes a[j / 2] or b[j / 2] (index 32 + j / 2), alternately.
+    const __m512i lo = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    w0 = (i16x)_mm512_permutex2var_epi16(a, lo, b);
+    w1 = (i16x)_mm512_permutex2var_epi16(a, hi, b);
 #else
-      for (int c = 0; c < NP; ++c) {
-        out[kp * 2 * NP + 2 * c] = even[c];
-        out[kp * 2 * NP + 2 * c + 1] = odd[c];
-      }
+    int16_t out[2 * NP];
+    for (int c = 0; c < NP; ++c) out[2 * c] = even[c], out[2 * c + 1] = odd[c];
+    w0 = load<i16x>(out), w1 = load<i16x>(out + NP);
 #endif
-    }
   }
+  static constexpr int64_t kFewRows = 8;
 };
 
 struct NibbleCodes {
@@ -164,15 +176,13 @@ struct NibbleCodes {
     return f;
 #endif
   }
-  static void widen(const uint8_t* q, int64_t, int16_t* out) {  // a block's 16 x 32 bytes
+  static void pair(const uint8_t* q, int64_t, int kp, i16x& w0, i16x& w1) {  // 32 bytes
     typedef uint8_t u8x32 __attribute__((vector_size(32)));
     typedef int16_t s16x32 __attribute__((vector_size(64)));
-    for (int kp = 0; kp < KP; ++kp) {
-      const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
-      store(out + kp * 2 * NP, b & 15);
-      store(out + kp * 2 * NP + NP, b >> 4);
-    }
+    const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
+    w0 = (i16x)(b & 15), w1 = (i16x)(b >> 4);
   }
+  static constexpr int64_t kFewRows = INT64_MAX;
 };
 
 // x in the form the tiles read: per row r and block b, xq[r, k] int16, xs[r, b] and the float
@@ -212,8 +222,19 @@ void quantize_row(const float* x, int64_t k, int16_t* xq, float* xs, float* sx) 
   }
 }
 
+// A row's sums c0, c1 (the panel's two halves of 16 columns) += one block's contribution, from
+// its int32 sums a0, a1, the block's column scales and minima, and the row's x_scale and x_sum
+// (see the file comment). Both ways call this, so they round alike.
+inline void fold(v16& c0, v16& c1, i16x a0, i16x a1, v16 s0, v16 s1, v16 m0, v16 m1,
+                 float x_scale, float x_sum) {
+  c0 += __builtin_convertvector(a0, v16) * (s0 * x_scale);
+  c1 += __builtin_convertvector(a1, v16) * (s1 * x_scale);
+  c0 += m0 * x_sum;
+  c1 += m1 * x_sum;
+}
+
 // c[R, NP] += the block's contribution for R rows of x (see the file comment). xq rows are
-// `ldx` apart, xs and sx rows `ldb`; w is widen_pairs' buffer; c is dense.
+// `ldx` apart, xs and sx rows `ldb`; w is widen's buffer; c is dense.
 template <int R>
 void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int64_t ldb,
           const int16_t* w, v16 s0, v16 s1, v16 m0, v16 m1, float* c) {
@@ -228,13 +249,9 @@ void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int6
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float x_scale = xs[r * ldb], x_sum = sx[r * ldb];
     float* cr = c + r * NP;
     v16 c0 = load<v16>(cr), c1 = load<v16>(cr + V);
-    c0 += __builtin_convertvector(a0[r], v16) * (s0 * x_scale);
-    c1 += __builtin_convertvector(a1[r], v16) * (s1 * x_scale);
-    c0 += m0 * x_sum;
-    c1 += m1 * x_sum;
+    fold(c0, c1, a0[r], a1[r], s0, s1, m0, m1, xs[r * ldb], sx[r * ldb]);
     store(cr, c0), store(cr + V, c1);
   }
 }
@@ -248,6 +265,16 @@ constexpr std::array<TileFn, sizeof...(R)> tile_fns(std::integer_sequence<int, R
 }
 constexpr auto kTiles = tile_fns(std::make_integer_sequence<int, MR>{});  // [r - 1]: r rows
 
+// A block's pairs of rows of codes, widened once into `out` for every tile of rows to read.
+template <typename Codes>
+void widen(const typename Codes::Code* q, int64_t n, int16_t* out) {
+  for (int kp = 0; kp < KP; ++kp) {
+    i16x w0, w1;
+    Codes::pair(q, n, kp, w0, w1);
+    store(out + kp * 2 * NP, w0), store(out + kp * 2 * NP + NP, w1);
+  }
+}
+
 template <typename Codes>
 struct Problem {
   const QuantizedRows* x;
@@ -258,9 +285,56 @@ struct Problem {
   int64_t m, k, n;
 };
 
+// Rows r0 to r0 + R of y's panel p, the rows way (see the file comment).
+template <typename Codes, int R>
+void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
+  const int64_t N = pr.n, K = pr.k, blocks = K / KB;
+  const int16_t* xq = pr.x->xq.data() + r0 * K;
+  const float *xs = pr.x->xs.data() + r0 * blocks, *sx = pr.x->sx.data() + r0 * blocks;
+  v16 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = v16{}, c1[r] = v16{};
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const auto* q = Codes::codes(pr.q, p, kb, blocks, N);
+    i16x a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = i16x{}, a1[r] = i16x{};
+#pragma GCC unroll 16
+    for (int kp = 0; kp < KP; ++kp) {
+      i16x w0, w1;
+      Codes::pair(q, N, kp, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const int32_t pair = load<int32_t>(xq + r * K + kb * KB + 2 * kp);
+        a0[r] = dot_pairs(a0[r], w0, pair);
+        a1[r] = dot_pairs(a1[r], w1, pair);
+      }
+    }
+    const int64_t at = Codes::scale_at(p, kb, blocks, N);
+    const v16 s0 = Codes::scales(pr.scale + at), s1 = Codes::scales(pr.scale + at + V);
+    const v16 m0 = Codes::scales(pr.min + at), m1 = Codes::scales(pr.min + at + V);
+    for (int r = 0; r < R; ++r)
+      fold(c0[r], c1[r], a0[r], a1[r], s0, s1, m0, m1, xs[r * blocks + kb], sx[r * blocks + kb]);
+  }
+  for (int r = 0; r < R; ++r) {
+    store(pr.y + (r0 + r) * N + p * NP, c0[r]);
+    store(pr.y + (r0 + r) * N + p * NP + V, c1[r]);
+  }
+}
+
+template <typename Codes>
+using RowsFn = void (*)(const Problem<Codes>&, int64_t, int64_t);
+
+template <typename Codes, int... R>
+constexpr std::array<RowsFn<Codes>, sizeof...(R)> rows_fns(std::integer_sequence<int, R...>) {
+  return {panel_rows<Codes, R + 1>...};
+}
+
 template <typename Codes>
 void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
            std::vector<int16_t>& w) {
+  if (pr.m <= Codes::kFewRows) {
+    static constexpr auto fns = rows_fns<Codes>(std::make_integer_sequence<int, DR>{});
+    for (int64_t r = 0; r < pr.m; r += DR) fns[std::min<int64_t>(DR, pr.m - r) - 1](pr, p, r);
+    return;
+  }
   const int64_t n0 = p * NP, N = pr.n, blocks = pr.k / KB;
   acc.assign(pr.m * NP, 0.f);
   w.resize(KB * NP);
@@ -268,7 +342,7 @@ void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
     const int64_t at = Codes::scale_at(p, kb, blocks, N);
     const v16 s0 = Codes::scales(pr.scale + at), s1 = Codes::scales(pr.scale + at + V);
     const v16 m0 = Codes::scales(pr.min + at), m1 = Codes::scales(pr.min + at + V);
-    Codes::widen(Codes::codes(pr.q, p, kb, blocks, N), N, w.data());
+    widen<Codes>(Codes::codes(pr.q, p, kb, blocks, N), N, w.data());
     for (int64_t r = 0; r < pr.m; r += MR) {
       const int64_t rows = std::min<int64_t>(MR, pr.m - r);
       kTiles[rows - 1](pr.x->xq.data() + r * pr.k + kb * KB, pr.k,

@@ -120,7 +120,9 @@ def codes_part(w, contract):
 @pytest.mark.parametrize("rows", [1, 3, 12, 13, 40])
 @pytest.mark.parametrize("kind, form", CASES)
 def test_matches_float64(rows, kind, form):
-    """Rows around the register tile (12 rows with AVX-512), several panels of 32 columns."""
+    """Rows around the register tiles (with AVX-512: 6 rows at a time the few-rows way, 12 a
+    tile, the int8 form switching from the one to the other above 8), several panels of 32
+    columns."""
     rng = np.random.default_rng(rows)
     w, held = in_form(make_weight(rng, (160, 96), 0, kind), form)
     x = jnp.asarray(rng.standard_normal((rows, 160)), jnp.float32)
@@ -139,6 +141,20 @@ def test_nibbles_of_q4_1_give_the_same_numbers(rows):
     np.testing.assert_array_equal(
         np.asarray(block_matmul(x, in_form(w, "nibbles")[0], 1, (256, 160))),
         np.asarray(block_matmul(x, w)))
+
+
+@pytest.mark.parametrize("kind, form", CASES)
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind, form):
+    """Each row of y, bit for bit, whatever else x holds: 1 row, a few (taken a few at a time,
+    codes widened in registers) or many (for the int8 form, the per-block tiles): the batch a
+    sequence decodes in does not change its numbers."""
+    rng = np.random.default_rng(77)
+    w, _ = in_form(make_weight(rng, (128, 64), 0, kind), form)
+    x = jnp.asarray(rng.standard_normal((40, 128)), jnp.float32)
+    full = np.asarray(block_matmul(x, w, 1, (128, 64)))
+    for lo, hi in [(0, 1), (3, 4), (0, 5), (2, 9), (0, 13), (20, 40)]:
+        np.testing.assert_array_equal(np.asarray(block_matmul(x[lo:hi], w, 1, (128, 64))),
+                                      full[lo:hi])
 
 
 @pytest.mark.parametrize("seed", range(4))
