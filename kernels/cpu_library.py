@@ -28,6 +28,7 @@ TARGETS = {
     "jaxserve_ragged_paged_attention": "RaggedPagedAttention",
     "jaxserve_block_matmul": "BlockMatmul",
     "jaxserve_block_matmul_q4": "BlockMatmulQ4",
+    "jaxserve_block_matmul_q8": "BlockMatmulQ8",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-w")
 

@@ -38,6 +38,7 @@ from models import quant
 
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
+TARGET_PAIRS = "jaxserve_block_matmul_q8"  # the pair form (quant.pack_pairs)
 PANEL = quant.PANEL  # columns of y per work item: N must be a multiple
 
 
@@ -51,18 +52,24 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None) -> boo
     """Whether quantized weight `w` (of `shape`; the int8 form's own by default), contracted
     over its first `contract` axes, has a layout the kernel reads: int8 codes with float32
     scales, blocks along the last contracted axis (so the rows of k group into whole blocks)
-    and a multiple of PANEL outputs; or the nibble form (quant.pack_nibbles) of that."""
+    and a multiple of PANEL outputs; or the nibble form (quant.pack_nibbles) or the pair form
+    (quant.pack_pairs) of that."""
     if not quant.is_quantized(w):
         return False
-    if quant.is_nibbles(w):
-        if shape is None or any(a.dtype != jnp.uint32 for a in w.values()):
+    if quant.is_packed(w):
+        if shape is None:
             return False
         k, n = math.prod(shape[:contract]), math.prod(shape[contract:])
-        # uint32 words: 32 bytes of codes, 32 float16 scales per panel and row
-        return (w["q4"].shape == (n // PANEL, k // 2, PANEL // 4) and n % PANEL == 0
-                and k % quant.BLOCK == 0
-                and w["scale"].shape == w["min"].shape == (n // PANEL, k // quant.BLOCK,
-                                                           PANEL // 2))
+        if n % PANEL or k % quant.BLOCK:
+            return False
+        scales = (n // PANEL, k // quant.BLOCK, PANEL)
+        if quant.is_nibbles(w):  # uint32 words: 32 bytes of codes, 32 float16 scales a row
+            return (all(a.dtype == jnp.uint32 for a in w.values())
+                    and w["q4"].shape == (n // PANEL, k // 2, PANEL // 4)
+                    and w["scale"].shape == w["min"].shape == (*scales[:2], PANEL // 2))
+        return (w["q8"].dtype == jnp.uint32 and w["q8"].shape == (n // PANEL, k // 2, PANEL // 2)
+                and all(w[p].dtype == jnp.float32 and w[p].shape == scales
+                        for p in ("scale", "min")))
     if w["scale"].dtype != jnp.float32 or (shape is not None and w["q"].shape != shape):
         return False
     outputs = math.prod(w["q"].shape[contract:])
@@ -70,18 +77,21 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None) -> boo
 
 
 def pack(params, batch_dims: int = 0):
-    """`params` with every quantized weight that has a nibble form (quant.pack_nibbles) in it:
-    the same weights, half the bytes for a step to stream, in panels the kernel reads in one
-    stream. `batch_dims`: leading axes of stacked layers."""
-    return jax.tree.map(
-        lambda a: (quant.pack_nibbles(a, batch_dims) or a) if quant.is_quantized(a) else a,
-        params, is_leaf=quant.is_quantized)
+    """`params` with every quantized weight in the panels the kernel reads in one stream: the
+    nibble form (quant.pack_nibbles; the same weights in half the bytes) where it holds them,
+    else the pair form (quant.pack_pairs) where the outputs are whole panels. `batch_dims`:
+    leading axes of stacked layers."""
+    def packed(a):
+        return quant.pack_nibbles(a, batch_dims) or quant.pack_pairs(a, batch_dims) or a
+
+    return jax.tree.map(lambda a: packed(a) if quant.is_quantized(a) else a, params,
+                        is_leaf=quant.is_quantized)
 
 
 def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
                  shape: tuple[int, ...] | None = None) -> jax.Array:
     """x (M, prod(shape[:contract])) float32 @ the weight `w` (a quantized dict, see
-    models/quant.py) of `shape` (needed for the nibble form) -> (M, *shape[contract:])
+    models/quant.py) of `shape` (needed for the packed forms) -> (M, *shape[contract:])
     float32."""
     shape = tuple(w["q"].shape) if shape is None and "q" in w else shape
     if not fits(w, contract, shape):
@@ -97,8 +107,9 @@ def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
         raise ValueError(f"block_matmul needs x of shape (M, {k}) float32, got {x.shape} "
                          f"{x.dtype}")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    if quant.is_nibbles(w):  # planes already as the kernel reads them
-        y = jax.ffi.ffi_call(TARGET_NIBBLES, out)(x, w["q4"], w["scale"], w["min"])
+    if quant.is_packed(w):  # planes already as the kernel reads them
+        target, codes = (TARGET_NIBBLES, "q4") if quant.is_nibbles(w) else (TARGET_PAIRS, "q8")
+        y = jax.ffi.ffi_call(target, out)(x, w[codes], w["scale"], w["min"])
     else:  # (K, N) int8, (K / 32, N) float32 x 2
         planes = {name: a.reshape(-1, n) for name, a in w.items()}
         y = jax.ffi.ffi_call(TARGET, out)(x, planes["q"], planes["scale"], planes["min"])

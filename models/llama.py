@@ -148,7 +148,7 @@ def lm_logits(cfg: ModelConfig, x: jax.Array, params: dict,
     """Final hidden states (N, D) -> logits (N, V) float32: through `block_matmul` on the
     params' HEAD_BLOCKS where both are there, else a dot with head_weight()."""
     if block_matmul is not None and HEAD_BLOCKS in params:
-        logits = block_matmul(x, params[HEAD_BLOCKS], 1, params[HEAD_BLOCKS]["q"].shape)
+        logits = block_matmul(x, params[HEAD_BLOCKS], 1, (cfg.hidden_size, cfg.vocab_size))
         if logits is not None:
             return logits
     spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"

@@ -27,6 +27,12 @@ reads them (kernels/cpu/block_matmul.cc describes it), held as uint32 words. It 
 numbers in half the bytes (0.625 per weight instead of 1.25) and one contiguous stream per
 panel. Its planes no longer have the weight's shape, so reading it back (`unpack_nibbles`,
 `dequantize`) takes that shape.
+
+`pack_pairs` gives the same kind of form to codes that do not fit nibbles (Q8_0's, such as the
+head's): {"q8", "scale", "min"}, each pair of rows of a panel's int8 codes interleaved the way
+the kernel's products read them (so widening them is one sign extension) and float32 scales
+and minima, panel by panel; the same bytes as the int8 form, one contiguous stream per panel
+instead of rows a whole weight's width apart.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import numpy as np
 BLOCK = 32
 PLANES = ("q", "scale", "min")
 NIBBLE_PLANES = ("q4", "scale", "min")  # pack_nibbles' form
+PAIR_PLANES = ("q8", "scale", "min")  # pack_pairs' form
 PANEL = 32  # outputs per panel of the nibble form: the CPU block matmul's work item
 
 
@@ -96,11 +103,21 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | 
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, Mapping) and set(w) in (set(PLANES), set(NIBBLE_PLANES))
+    return isinstance(w, Mapping) and set(w) in (set(PLANES), set(NIBBLE_PLANES),
+                                                  set(PAIR_PLANES))
 
 
 def is_nibbles(w: Mapping) -> bool:
     return "q4" in w
+
+
+def is_pairs(w: Mapping) -> bool:
+    return "q8" in w
+
+
+def is_packed(w: Mapping) -> bool:
+    """In one of the kernel's panel forms (nibbles or pairs), which need the weight's shape."""
+    return is_nibbles(w) or is_pairs(w)
 
 
 def block_axis(w: Mapping) -> int:
@@ -135,16 +152,10 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
     outputs. Per stacked layer: q4 (N / 32, K / 2, 32) bytes, scale and min (N / 32, K / 32,
     32) float16, each held as uint32 words (last axis 8, 16, 16): XLA:CPU slices a scanned
     model's layer out of the stacks a word at a time, measured ~4x faster than bytes."""
-    if not is_quantized(w) or is_nibbles(w):
+    dims = _panel_dims(w, batch_dims)
+    if dims is None:
         return None
-    q = np.asarray(w["q"])
-    ax = block_axis(w)
-    if ax < batch_dims:
-        return None
-    lead = q.shape[:batch_dims]
-    k, n = int(np.prod(q.shape[batch_dims:ax + 1])), int(np.prod(q.shape[ax + 1:]))
-    if n % PANEL:
-        return None
+    q, lead, k, n = dims
     scale = np.asarray(w["scale"], np.float32)
     minimum = np.asarray(w["min"], np.float32)
     lo, hi = int(q.min(initial=0)), int(q.max(initial=0))
@@ -168,12 +179,71 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
                                                                       k // 2, 2, PANEL)
     q4 = u[..., 0, :] | (u[..., 1, :] << 4)
 
-    def panels(a):  # (..., K / 32, N) -> (..., N / PANEL, K / 32, PANEL)
-        a = a.reshape(*lead, k // BLOCK, n // PANEL, PANEL)
-        return np.ascontiguousarray(np.swapaxes(a, b, b + 1))
+    planes = {"q4": np.ascontiguousarray(q4),
+              **{name: _scale_panels(a, lead, k, n) for name, a in halves.items()}}
+    return {name: a.view(np.uint32) for name, a in planes.items()}
 
-    planes = {"q4": np.ascontiguousarray(q4), **{k: panels(a) for k, a in halves.items()}}
-    return {k: a.view(np.uint32) for k, a in planes.items()}
+
+def _panel_dims(w: Mapping, batch_dims: int):
+    """(codes, lead axes, K, N) of an int8-form weight whose outputs are whole panels, its
+    first `batch_dims` axes stacked layers, else None."""
+    if not is_quantized(w) or is_packed(w):
+        return None
+    q = np.asarray(w["q"])
+    ax = block_axis(w)
+    if ax < batch_dims:
+        return None
+    k, n = int(np.prod(q.shape[batch_dims:ax + 1])), int(np.prod(q.shape[ax + 1:]))
+    return None if n % PANEL else (q, q.shape[:batch_dims], k, n)
+
+
+def _scale_panels(a: np.ndarray, lead: tuple, k: int, n: int) -> np.ndarray:
+    """(..., K / 32, N) scales or minima -> (..., N / PANEL, K / 32, PANEL), panel by panel."""
+    a = a.reshape(*lead, k // BLOCK, n // PANEL, PANEL)
+    return np.ascontiguousarray(np.swapaxes(a, len(lead), len(lead) + 1))
+
+
+def _scales_back(a, scale_shape: tuple, xp):
+    """_scale_panels' (N / PANEL, K / 32, PANEL) back in the weight's layout, as float32."""
+    return xp.swapaxes(a, 0, 1).reshape(scale_shape).astype(np.float32)
+
+
+def pack_pairs(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | None:
+    """A quantized weight (numpy; first `batch_dims` axes stacked layers) in the pair form, or
+    None where its outputs are not whole panels of 32. Per stacked layer: q8 (N / 32, K / 2,
+    64) int8, byte 2c + e of pair kp of panel p the code of row 2kp + e, column 32p + c, held
+    as uint32 words (last axis 16); scale and min (N / 32, K / 32, 32) float32. Any codes
+    (Q8_0's, Q4's) hold exactly; pack_nibbles is the smaller form where it applies."""
+    dims = _panel_dims(w, batch_dims)
+    if dims is None:
+        return None
+    q, lead, k, n = dims
+    b = len(lead)
+    # (kp, e, p, c) -> (p, kp, c, e)
+    q8 = q.astype(np.int8).reshape(*lead, k // 2, 2, n // PANEL, PANEL)
+    q8 = q8.transpose(*range(b), b + 2, b, b + 3, b + 1).reshape(*lead, n // PANEL, k // 2,
+                                                                2 * PANEL)
+    return {"q8": np.ascontiguousarray(q8).view(np.uint32),
+            **{name: _scale_panels(np.asarray(w[name], np.float32), lead, k, n)
+               for name in ("scale", "min")}}
+
+
+def unpack_pairs(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
+    """The pair form of a weight of `shape` (one layer's) back in the int8 form."""
+    q8 = _words_as(w["q8"], np.int8, xp)
+    n, k = q8.shape[0] * PANEL, q8.shape[1] * 2
+    ax = _contracted_axis(shape, k, n, q8.shape == (n // PANEL, k // 2, 2 * PANEL), "pair")
+    q = q8.reshape(n // PANEL, k // 2, PANEL, 2).transpose(1, 3, 0, 2).reshape(shape)
+    scale_shape = (*shape[:ax], shape[ax] // BLOCK, *shape[ax + 1:])
+    return {"q": q, **{name: _scales_back(w[name], scale_shape, xp) for name in ("scale", "min")}}
+
+
+def _contracted_axis(shape: tuple[int, ...], k: int, n: int, planes_fit: bool, form: str) -> int:
+    """The block axis of a weight of `shape` whose K and N a packed form's planes give."""
+    ax = next((i for i in range(len(shape)) if int(np.prod(shape[:i + 1])) == k), None)
+    if ax is None or int(np.prod(shape[ax + 1:])) != n or not planes_fit:
+        raise ValueError(f"{form} planes of K {k}, N {n} are not a weight of shape {shape}")
+    return ax
 
 
 def _words_as(a, dtype, xp):
@@ -192,32 +262,28 @@ def unpack_nibbles(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
     codes + 8 with minimum -8 * scale, the same weights)."""
     q4 = _words_as(w["q4"], np.uint8, xp)
     n, k = q4.shape[0] * PANEL, q4.shape[1] * 2
-    ax = next(i for i in range(len(shape)) if int(np.prod(shape[:i + 1])) == k)
-    if int(np.prod(shape[ax + 1:])) != n or q4.shape != (n // PANEL, k // 2, PANEL):
-        raise ValueError(f"nibble planes of q4 {q4.shape} are not a weight of shape {shape}")
+    ax = _contracted_axis(shape, k, n, q4.shape == (n // PANEL, k // 2, PANEL), "nibble")
     u = xp.stack([q4 & 15, q4 >> 4], axis=2).reshape(n // PANEL, k // 2, 2, PANEL // 2, 2)
     q = u.transpose(1, 4, 0, 2, 3).reshape(shape).astype(np.int8)
     scale_shape = (*shape[:ax], shape[ax] // BLOCK, *shape[ax + 1:])
 
-    def logical(a):  # (N / PANEL, K / 32, PANEL) -> the weight's layout with K / 32
-        a = _words_as(a, np.float16, xp)
-        return xp.swapaxes(a, 0, 1).reshape(scale_shape).astype(np.float32)
-
-    return {"q": q, "scale": logical(w["scale"]), "min": logical(w["min"])}
+    return {"q": q, **{name: _scales_back(_words_as(w[name], np.float16, xp), scale_shape, xp)
+                       for name in ("scale", "min")}}
 
 
 def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
     """A param as the model reads it: a quantized dict -> float weights of `dtype`, formed in
     float32 inside the step (see the module doc for why this is exact); an array unchanged.
-    The nibble form needs the weight's `shape`."""
+    The packed forms need the weight's `shape`."""
     if not is_quantized(w):
         return w
     import jax.numpy as jnp
 
-    if is_nibbles(w):
+    if is_packed(w):
         if shape is None:
-            raise ValueError("the nibble form of a weight is read back with its shape")
-        w = unpack_nibbles(w, shape, jnp)
+            raise ValueError("the packed (nibble or pair) form of a weight is read back with "
+                             "its shape")
+        w = (unpack_nibbles if is_nibbles(w) else unpack_pairs)(w, shape, jnp)
     return _dequantize(w, jnp).astype(dtype)
 
 

@@ -137,8 +137,8 @@ class ModelRunner:
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
             weights (models/quant.py) as they are, or expanded with quantization=none; with
-            the CPU block matmul, nibble codes in their packed form (half the bytes to
-            stream) and the head as Q8 blocks where it is exactly that."""
+            the CPU block matmul, codes in the panels it reads (nibbles: half the bytes to
+            stream) and the head as Q8 blocks, in pairs, where it is exactly that."""
             p = layout_params(p, cfg.num_layers, scan)
             if not keep_blocks:
                 p = quant.dequantize_tree(p)
@@ -146,7 +146,7 @@ class ModelRunner:
                 p = {k: cpu_matmul.pack(v, int(scan and k == "layers")) for k, v in p.items()}
                 blocks = head_blocks(cfg, p)
                 if blocks is not None:
-                    p = {**p, HEAD_BLOCKS: blocks}
+                    p = {**p, HEAD_BLOCKS: cpu_matmul.pack(blocks)}
             return jax.tree.map(lambda a: a if quant.is_quantized(a) else np.asarray(a, self.dtype),
                                 p, is_leaf=quant.is_quantized)
 

@@ -14,6 +14,11 @@
 //   min    (N / 32, K / 32, 32) float16
 //   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16): a scanned
 //   model's layers are sliced out of their stacks a word at a time)
+// or, BlockMatmulQ8, int8 codes in pairs of rows (models/quant.py's pack_pairs makes it):
+//   q8     (N / 32, K / 2, 64) int8   panel p, pair of rows kp: byte 2c + e holds
+//          q[2kp + e, 32p + c] (as uint32 words, (N / 32, K / 2, 16))
+//   scale  (N / 32, K / 32, 32) float32   scale[p, b, c] of column 32p + c
+//   min    (N / 32, K / 32, 32) float32
 //   y      (M, N) float32
 // A panel's codes and scales are contiguous (one stream, no strided rows), and widening a
 // pair of rows to int16 pairs is a zero-extension, a mask and a shift. The form streams 0.625
@@ -40,10 +45,10 @@
 //   rows whose int32 sums stay in registers; the float sums go to memory per block.
 // Widening the nibble form is a few cheap operations, so it always takes rows (single thread,
 // 30 layers of 576x1536: 0.9 ms instead of 1.5-2.3 at 1 row, 11-12 instead of 13.9-14.1 at 32,
-// 182 instead of 209 at 512). Widening int8 codes takes two shuffles per pair of rows, so
-// repeating it for every DR rows loses past a few rows: the int8 form takes rows up to
-// kFewRows and tiles above (the 576x49152 head: 5.1 ms instead of 9.0 at 1 row, even at 8,
-// 29 instead of 21 at 32). The integer sums are exact on every path (VNNI, AVX-512BW,
+// 182 instead of 209 at 512); so does the pair form, whose widening is one sign extension.
+// Widening the int8 form's codes takes two shuffles per pair of rows, so repeating it for
+// every DR rows loses past a few rows: that form takes rows up to kFewRows and tiles above
+// (the 576x49152 head: 5.1 ms instead of 9.0 at 1 row, even at 8, 29 instead of 21 at 32). The integer sums are exact on every path (VNNI, AVX-512BW,
 // portable) and both ways finish a block with the same float operations (`fold`), so a row's
 // result does not depend on the way or on the other rows of x (batch invariance).
 #include <algorithm>
@@ -181,6 +186,31 @@ struct NibbleCodes {
     typedef int16_t s16x32 __attribute__((vector_size(64)));
     const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
     w0 = (i16x)(b & 15), w1 = (i16x)(b >> 4);
+  }
+  static constexpr int64_t kFewRows = INT64_MAX;
+};
+
+struct PairCodes {
+  using Code = int8_t;
+  using Scale = float;
+  // (N / 32, K / 2, 64) codes, (N / 32, K / 32, 32) scales: see the file comment.
+  static bool shape(ffi::Span<const int64_t> qd, int64_t& k, int64_t& n) {  // words
+    if (qd.size() != 3 || qd[2] != 2 * NP / 4) return false;
+    k = 2 * qd[1], n = qd[0] * NP;
+    return true;
+  }
+  static const int8_t* codes(const int8_t* q, int64_t p, int64_t kb, int64_t blocks, int64_t) {
+    return q + (p * blocks + kb) * KP * 2 * NP;
+  }
+  static int64_t scale_at(int64_t p, int64_t kb, int64_t blocks, int64_t) {
+    return (p * blocks + kb) * NP;
+  }
+  static v16 scales(const float* s) { return load<v16>(s); }
+  static void pair(const int8_t* q, int64_t, int kp, i16x& w0, i16x& w1) {  // 64 bytes
+    typedef int8_t s8x32 __attribute__((vector_size(32)));
+    typedef int16_t s16x32 __attribute__((vector_size(64)));
+    w0 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP), s16x32);
+    w1 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP + NP), s16x32);
   }
   static constexpr int64_t kFewRows = INT64_MAX;
 };
@@ -364,8 +394,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, const float* x, ffi::Span<const int64_t>
   if (!Codes::shape(qd, k, n) || xd.size() != 2 || xd[1] != k || k % KB || n % NP ||
       int64_t(scale_count) != k / KB * n || int64_t(min_count) != k / KB * n)
     return ffi::Error::InvalidArgument(
-        "block matmul: x must be (M, K) and q (K, N) (or the nibble form, in uint32 words "
-        "(N / 32, K / 2, 8)), with K a multiple of 32, N of 32, and scale and min K / 32 x N");
+        "block matmul: x must be (M, K) and q (K, N) (or the nibble or pair form, in uint32 "
+        "words (N / 32, K / 2, 8 or 16)), with K a multiple of 32, N of 32, and scale and min "
+        "K / 32 x N");
   const int64_t m = xd[0], blocks = k / KB;
   if (m == 0) return ffi::Error::Success();
   thread_local QuantizedRows rows;
@@ -404,6 +435,15 @@ ffi::Error MatmulNibbles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       2 * min.element_count(), y->typed_data());
 }
 
+ffi::Error MatmulPairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> q8,
+                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> min,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<PairCodes>(
+      pool, x.typed_data(), x.dimensions(), reinterpret_cast<const int8_t*>(q8.untyped_data()),
+      q8.dimensions(), scale.typed_data(), scale.element_count(), min.typed_data(),
+      min.element_count(), y->typed_data());
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, MatmulInt8,
@@ -422,4 +462,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, MatmulNibbles,
                                   .Arg<ffi::Buffer<ffi::U32>>()  // q4
                                   .Arg<ffi::Buffer<ffi::U32>>()  // scale
                                   .Arg<ffi::Buffer<ffi::U32>>()  // min
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8, MatmulPairs,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // q8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // min
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

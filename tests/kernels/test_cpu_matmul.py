@@ -42,22 +42,28 @@ def make_weight(rng, shape, block_axis, kind="Q4_1"):
 
 def in_form(w, form):
     """(w in the kernel's `form`, the int8-form planes of what that form holds): "int8" as
-    made, or "nibbles" (quant.pack_nibbles; Q4_0's codes come back + 8 with minimum
-    -8 * scale, the same weights)."""
+    made, "nibbles" (quant.pack_nibbles; Q4_0's codes come back + 8 with minimum -8 * scale,
+    the same weights) or "pairs" (quant.pack_pairs)."""
     if form == "int8":
         return w, w
     planes = {k: np.asarray(a) for k, a in w.items()}
-    packed = quant.pack_nibbles(planes)
-    assert packed is not None and packed["scale"].dtype == np.uint32  # float16 pairs
-    held = quant.unpack_nibbles(packed, planes["q"].shape)
+    if form == "pairs":
+        packed = quant.pack_pairs(planes)
+        assert packed is not None and packed["q8"].dtype == np.uint32
+        held = quant.unpack_pairs(packed, planes["q"].shape)
+        np.testing.assert_array_equal(held["q"], planes["q"])
+    else:
+        packed = quant.pack_nibbles(planes)
+        assert packed is not None and packed["scale"].dtype == np.uint32  # float16 pairs
+        held = quant.unpack_nibbles(packed, planes["q"].shape)
     np.testing.assert_array_equal(quant.dequantize_np(held), quant.dequantize_np(planes))
     return ({k: jnp.asarray(a) for k, a in packed.items()},
             {k: jnp.asarray(a) for k, a in held.items()})
 
 
 # (kind, form) pairs: Q8_0's codes have no nibble form.
-CASES = [("Q4_1", "int8"), ("Q4_1", "nibbles"), ("Q4_0", "int8"), ("Q4_0", "nibbles"),
-         ("Q8_0", "int8")]
+CASES = [("Q4_1", "int8"), ("Q4_1", "nibbles"), ("Q4_1", "pairs"), ("Q4_0", "int8"),
+         ("Q4_0", "nibbles"), ("Q8_0", "int8"), ("Q8_0", "pairs")]
 
 
 def expanded(w, contract):
@@ -132,14 +138,17 @@ def test_matches_float64(rows, kind, form):
 
 
 @pytest.mark.parametrize("rows", [1, 13, 40])
-def test_nibbles_of_q4_1_give_the_same_numbers(rows):
-    """Q4_1's nibble form holds the same codes, scales and minima, so the kernel's integer sums
-    and epilogue are the same numbers: y is bit-identical to the int8 form's."""
+@pytest.mark.parametrize("kind, form", [("Q4_1", "nibbles"), ("Q4_1", "pairs"),
+                                        ("Q8_0", "pairs")])
+def test_packed_forms_give_the_same_numbers(rows, kind, form):
+    """Q4_1's nibble form, and any codes' pair form, hold the same codes, scales and minima, so
+    the kernel's integer sums and epilogue are the same numbers: y is bit-identical to the int8
+    form's."""
     rng = np.random.default_rng(20 + rows)
-    w = make_weight(rng, (256, 160), 0)
+    w = make_weight(rng, (256, 160), 0, kind)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
     np.testing.assert_array_equal(
-        np.asarray(block_matmul(x, in_form(w, "nibbles")[0], 1, (256, 160))),
+        np.asarray(block_matmul(x, in_form(w, form)[0], 1, (256, 160))),
         np.asarray(block_matmul(x, w)))
 
 
@@ -168,7 +177,7 @@ def test_random_shapes(seed):
     assert_close(block_matmul(x, w, 1, (k, n)), expected(x, held, 1))
 
 
-@pytest.mark.parametrize("form", ["int8", "nibbles"])
+@pytest.mark.parametrize("form", ["int8", "nibbles", "pairs"])
 @pytest.mark.parametrize("shape, contract", [((64, 3, 32), 1), ((3, 64, 96), 2)])
 def test_projection_layouts(shape, contract, form):
     """The model's layouts: wq (D, N, H) blocks along D, contracted over D; wo (N, H, D)
@@ -185,16 +194,17 @@ def test_projection_layouts(shape, contract, form):
                                   quant.dequantize_np({k: np.asarray(a) for k, a in held.items()}))
 
 
-@pytest.mark.parametrize("form", ["int8", "nibbles"])
+@pytest.mark.parametrize("form", ["int8", "nibbles", "pairs"])
 def test_inside_a_scan_over_stacked_layers(form):
-    """Under lax.scan each iteration's weight is a slice of the stacks (the nibble form
+    """Under lax.scan each iteration's weight is a slice of the stacks (the packed forms
     packed with the layer axis as a batch axis, as the runner packs a scanned model's)."""
     rng = np.random.default_rng(3)
-    ws = [make_weight(rng, (64, 64), 0) for _ in range(3)]
+    ws = [make_weight(rng, (64, 64), 0, "Q8_0" if form == "pairs" else "Q4_1")
+          for _ in range(3)]
     stacked = jax.tree.map(lambda *a: np.stack([np.asarray(b) for b in a]), *ws)
-    if form == "nibbles":
+    if form != "int8":
         stacked = pack(stacked, batch_dims=1)
-        assert quant.is_nibbles(stacked)
+        assert (quant.is_nibbles if form == "nibbles" else quant.is_pairs)(stacked)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
     got = jax.jit(lambda x, s: jax.lax.scan(
         lambda x, w: (block_matmul(x, w, 1, (64, 64)), None), x, s)[0])(x, stacked)
@@ -232,20 +242,30 @@ def test_what_it_does_not_read():
     assert not fits(nibbles, 1, (32, 128))  # nor a weight of another K
     assert not fits({**nibbles, "scale": nibbles["scale"].astype(jnp.float32)}, 1, (64, 64))
     assert not fits({**nibbles, "q4": nibbles["q4"][:, :16]}, 1, (64, 64))
-    with pytest.raises(ValueError, match="with its shape"):
-        quant.dequantize(nibbles, jnp.float32)
+    pairs = in_form(make_weight(rng, (64, 64), 0, "Q8_0"), "pairs")[0]
+    assert fits(pairs, 1, (64, 64)) and not fits(pairs, 1) and not fits(pairs, 1, (32, 128))
+    assert not fits({**pairs, "scale": pairs["scale"].astype(jnp.float16)}, 1, (64, 64))
+    for packed in (nibbles, pairs):
+        with pytest.raises(ValueError, match="with its shape"):
+            quant.dequantize(packed, jnp.float32)
 
 
-def test_pack_turns_what_it_can_into_nibbles():
-    """pack() gives every quantized weight with a nibble form that form, of the same weights,
-    and leaves the rest (Q8_0 codes, plain arrays) as they were."""
+def test_pack_turns_what_it_can_into_panels():
+    """pack() gives every quantized weight with a nibble form that form, the others of whole
+    panels the pair form (Q8_0 codes), all of the same weights, and leaves the rest (outputs
+    that are not whole panels, plain arrays) as they were."""
     rng = np.random.default_rng(5)
     tree = {"a": make_weight(rng, (64, 32), 0), "b": make_weight(rng, (64, 32), 0, "Q4_0"),
             "c": make_weight(rng, (64, 32), 0, "Q8_0"), "d": np.ones(3, np.float32)}
     tree = jax.tree.map(np.asarray, tree)
     out = pack(tree)
     assert quant.is_nibbles(out["a"]) and quant.is_nibbles(out["b"])
-    assert out["c"] is tree["c"] and out["d"] is tree["d"]
+    assert quant.is_pairs(out["c"]) and out["d"] is tree["d"]
+    assert out["c"]["q8"].nbytes == tree["c"]["q"].nbytes
+    back = quant.unpack_pairs(out["c"], (64, 32))
+    np.testing.assert_array_equal(quant.dequantize_np(back), quant.dequantize_np(tree["c"]))
+    odd = jax.tree.map(np.asarray, make_weight(rng, (64, 48), 0, "Q8_0"))
+    assert pack({"e": odd})["e"] is odd
     for k in "ab":
         assert out[k]["q4"].nbytes * 2 == tree[k]["q"].nbytes
         back = quant.unpack_nibbles(out[k], (64, 32))
@@ -271,6 +291,12 @@ def test_head_from_exact_q8_blocks(tied):
     want = lm_logits(cfg, x, params)
     got = lm_logits(cfg, x, {**params, HEAD_BLOCKS: hb}, block_matmul_or_none)
     assert_within_scaling(got, x, table.T.astype(np.float64))
+    # as the runner keeps them: in the pair form, the same numbers
+    packed = pack(hb)
+    assert quant.is_pairs(packed)
+    np.testing.assert_array_equal(
+        np.asarray(lm_logits(cfg, x, {**params, HEAD_BLOCKS: packed}, block_matmul_or_none)),
+        np.asarray(got))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=1e-4 * float(jnp.abs(want).max()))
     noisy = {k: v + rng.standard_normal(v.shape).astype(np.float32) * 1e-3
