@@ -18,8 +18,11 @@ def weight_stream_seconds(params, repeats: int = 9) -> float:
     system does, as a floor should be. XLA:CPU's reductions read some dtypes and layouts at
     well under the memory's speed (measured here: the 168 MB of int8 codes and float32 scales
     at 11.5 GB/s as a float32 sum but ~3 as uint32 words; the 102 MB of uint32 nibble planes at
-    ~6 GB/s as uint32 words but ~3.7 as a float32 sum), so each pass is timed two ways, every
-    array summed in float32 and every array summed as uint32 words, and the faster counts."""
+    ~6 GB/s as uint32 words but ~3.7 as a float32 sum), so each pass is timed three ways:
+    every array summed in float32, every array summed as uint32 words, and each array by its
+    width (narrow codes in float32, words as words); the fastest counts. (A tree of both kinds,
+    int8 codes and uint32 planes, read only one way, looked ~2x slower than the memory: a
+    floor that changed with the layout rather than with the machine.)"""
     import jax
     import jax.numpy as jnp
 
@@ -35,7 +38,11 @@ def weight_stream_seconds(params, repeats: int = 9) -> float:
         w = words(a)
         return jnp.sum(w, dtype=w.dtype).astype(jnp.float32)
 
-    reads = (lambda a: jnp.sum(a, dtype=jnp.float32), sum_words)
+    def sum_floats(a):
+        return jnp.sum(a, dtype=jnp.float32)
+
+    reads = (sum_floats, sum_words,
+             lambda a: (sum_words if a.dtype.itemsize == 4 else sum_floats)(a))
     best = float("inf")
     for read in reads:
         read_all = jax.jit(lambda p, read=read: sum(read(a) for a in jax.tree.leaves(p)))
