@@ -1,7 +1,7 @@
 // y = x @ w for a weight kept in GGUF blocks (models/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// Shapes (two handlers, one per form of the codes; models/quant.py makes both):
+// Shapes (three handlers, one per form of the codes; models/quant.py makes them):
 //   x      (M, K) float32
 //   q      (K, N) int8      w[k, n] = q[k, n] * scale[k / 32, n] + min[k / 32, n]
 //   scale  (K / 32, N) float32
@@ -48,9 +48,10 @@
 // 182 instead of 209 at 512); so does the pair form, whose widening is one sign extension.
 // Widening the int8 form's codes takes two shuffles per pair of rows, so repeating it for
 // every DR rows loses past a few rows: that form takes rows up to kFewRows and tiles above
-// (the 576x49152 head: 5.1 ms instead of 9.0 at 1 row, even at 8, 29 instead of 21 at 32). The integer sums are exact on every path (VNNI, AVX-512BW,
-// portable) and both ways finish a block with the same float operations (`fold`), so a row's
-// result does not depend on the way or on the other rows of x (batch invariance).
+// (the 576x49152 head in that form: 5.1 ms instead of 9.0 at 1 row, even at 8, 29 instead of
+// 21 at 32). The integer sums are exact on every path (VNNI, AVX-512BW, portable) and both
+// ways finish a block with the same float operations (`fold`), so a row's result does not
+// depend on the way or on the other rows of x (batch invariance).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -115,7 +116,7 @@ inline i16x dot_pairs(i16x acc, i16x w, int32_t pair) {
 #endif
 }
 
-// The two forms of the codes. Each says how its planes' dimensions give K and N, where block
+// The three forms of the codes. Each says how its planes' dimensions give K and N, where block
 // kb of panel p starts in the codes and the scales, how pair kp of that block's rows widens to
 // int16 pairs (w0, w1: lane c of w0 holds (q[2kp][c], q[2kp + 1][c]) for the panel's first 16
 // columns c, w1 the next 16), how a panel's 32 block scales (or minima) load as floats, and up
