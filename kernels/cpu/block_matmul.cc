@@ -445,31 +445,21 @@ ffi::Error MatmulPairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       min.element_count(), y->typed_data());
 }
 
+// The handlers' arguments: x, the codes (of type Q), scale and min (of type S); and y.
+template <ffi::DataType Q, ffi::DataType S>
+auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // x
+      .template Arg<ffi::Buffer<Q>>()  // codes
+      .template Arg<ffi::Buffer<S>>()  // scale
+      .template Arg<ffi::Buffer<S>>()  // min
+      .template Ret<ffi::Buffer<ffi::F32>>();  // y
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, MatmulInt8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // min
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, MatmulNibbles,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // q4
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // scale
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // min
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8, MatmulPairs,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // q8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // min
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+// (Each binding in parentheses: the macro would split its template arguments at the comma.)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, MatmulInt8, (Binding<ffi::S8, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, MatmulNibbles, (Binding<ffi::U32, ffi::U32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8, MatmulPairs, (Binding<ffi::U32, ffi::F32>()));
