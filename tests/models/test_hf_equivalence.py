@@ -21,7 +21,18 @@ PROMPTS = [
 NEW_TOKENS = 32
 
 
+_HF_CACHE: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """HF's greedy ids, computed once per (model, prompt, n): several tests ask for the same."""
+    key = (id(model), tuple(prompt_ids), n)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _hf_generate(model, prompt_ids, n)
+    return _HF_CACHE[key]
+
+
+def _hf_generate(model, prompt_ids: list[int], n: int) -> list[int]:
     import torch
 
     with torch.no_grad():
@@ -77,7 +88,6 @@ def test_smollm_matches_hf_greedy(smollm, hf_smollm, async_scheduling, spec, req
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, and say so when "
           "you do not know. Question: ")
-_HF_CACHE: dict[tuple[int, ...], list[int]] = {}
 
 
 @pytest.mark.slow
@@ -104,10 +114,8 @@ def test_smollm_matches_hf_with_prefix_caching(smollm, hf_smollm, pool, budget, 
         assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_used_blocks == 0
     for i, prompt_ids in enumerate(ids):
-        key = tuple(prompt_ids)
-        if key not in _HF_CACHE:
-            _HF_CACHE[key] = hf_greedy(hf_smollm, prompt_ids, NEW_TOKENS)
-        assert got[f"r{i}"] == _HF_CACHE[key], f"prompt {i} ({PROMPTS[i]!r}) differs from HF"
+        want = hf_greedy(hf_smollm, prompt_ids, NEW_TOKENS)
+        assert got[f"r{i}"] == want, f"prompt {i} ({PROMPTS[i]!r}) differs from HF"
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
