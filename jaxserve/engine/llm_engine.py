@@ -120,7 +120,8 @@ class LLMEngine:
                            config.speculative_adaptive))
             if config.speculative_method else None)
         self.scheduler = Scheduler(
-            config.scheduler_config(), self.block_manager,
+            config.scheduler_config(fit_token_buckets=self.runner.devices[0].platform == "cpu"),
+            self.block_manager,
             SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None,
             speculator=self.speculator)
         eos = set(self.model_config.eos_token_ids)

@@ -51,6 +51,46 @@ def test_600_token_prompt_beside_80_decodes():
     assert sum(1 for x in second.scheduled if not x.is_prefill) == 80
 
 
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+
+
+def running_decodes(n: int, **kw) -> SimExecutor:
+    """A scheduler over BUCKETS with n sequences past their prompts, decoding."""
+    s = sim(num_blocks=400, block_size=16, max_num_seqs=32, max_num_batched_tokens=256,
+            max_model_len=512, **kw)
+    for i in range(n):
+        s.add(f"d{i}", 4, 60)
+    while any(x.is_prefill for x in s.step().scheduled):
+        pass
+    return s
+
+
+def test_a_step_with_prompt_tokens_to_spare_ends_on_a_token_bucket():
+    s = running_decodes(20, token_buckets=BUCKETS)
+    s.add("p", 140, 5)
+    # 20 decodes + 140 prompt tokens would pad 160 rows to 256 (then 20 decodes pad to 24):
+    # 128 rows now, then 20 + 28 = 48 and 20 + 4 = 24, every step on a bucket
+    steps = [s.step() for _ in range(3)]
+    assert [x.num_tokens for x in steps] == [128, 48, 24]
+    chunks = [{x.seq.request_id: x.num_tokens for x in out.scheduled}["p"] for out in steps]
+    assert chunks == [108, 28, 4]
+    plain = running_decodes(20)  # without buckets, the prompt goes in at once
+    plain.add("p", 140, 5)
+    assert plain.step().num_tokens == 160
+
+
+def test_a_short_remainder_is_not_dribbled_out():
+    # 3 decodes + 11 prompt tokens: 8 rows now and 9 (padded to 12) next would not save the
+    # second step's rows over 16 now and 4 next, so the step is not cut
+    s = running_decodes(3, token_buckets=BUCKETS)
+    s.add("p", 11, 2)
+    assert s.step().num_tokens == 14
+    # a lone prompt just past a bucket is cut when the two steps cost less than the padding
+    s = running_decodes(0, token_buckets=BUCKETS)
+    s.add("q", 130, 2)
+    assert [s.step().num_tokens, s.step().num_tokens] == [128, 2]
+
+
 def test_chunk_alignment_rounds_down_but_not_the_last_chunk():
     s = sim(num_blocks=200, block_size=16, max_num_seqs=8, max_num_batched_tokens=300,
             prefill_chunk_alignment=128)
@@ -159,6 +199,9 @@ def workloads(draw):
                preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
                prefill_chunk_alignment=draw(st.sampled_from([1, 4])),
                priority_aging_s=draw(st.sampled_from([None, 3.0])))
+    if draw(st.booleans()):  # steps end on these where that computes fewer padded rows
+        budget = cfg["max_num_batched_tokens"]
+        cfg["token_buckets"] = tuple(b for b in (1, 2, 4, 8, 12, 16, 32) if b < budget) + (budget,)
     block_size = draw(st.sampled_from([1, 4, 16]))
     # The pool always fits the largest request (admission control guarantees that in the engine).
     need = max(-(-(r["prompt"] + r["out"]) // block_size) for r in reqs)
