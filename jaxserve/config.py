@@ -40,6 +40,8 @@ def _midpoints(hi: int) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_NUM_SEQS = 64  # max_num_seqs's default on an accelerator
+CPU_MAX_NUM_SEQS = 16  # ... and on a CPU (see the field's help)
 SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 
 
@@ -64,7 +66,12 @@ class EngineConfig:
                 "bfloat16 pool under a float32 model halves what attention reads, and holds "
                 "twice the tokens in the same bytes (the cpu and jnp attention backends)")
     max_model_len: int = option(2048, "longest sequence (prompt + output) a request may reach")
-    max_num_seqs: int = option(64, "most sequences in one step (the running set)")
+    max_num_seqs: int | None = option(
+        None, "most sequences in one step (the running set) (default: 16 on a CPU, 64 "
+              "elsewhere; at most max_num_batched_tokens). A CPU's decode step is "
+              "compute-bound past ~16 rows, so more running sequences share the same "
+              "throughput, each slower: on bench.py --rate 8, 16 gave lower TTFT, TPOT and "
+              "E2E than 64 at the same or higher tok/s")
     max_num_batched_tokens: int = option(512, "token budget of one step (prefill + decode)")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(
@@ -175,6 +182,8 @@ class EngineConfig:
                     "kv_cache_memory_bytes", "tensor_parallel_size", "data_parallel_size")
         for name in positive:
             v = getattr(self, name)
+            if name == "max_num_seqs" and v is None:
+                continue  # resolved per platform: on_platform()
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
@@ -186,7 +195,7 @@ class EngineConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, "
                                  f"got {getattr(self, name)!r}")
-        if self.max_num_seqs > self.max_num_batched_tokens:
+        if self.max_num_seqs is not None and self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): every running sequence needs a token slot")
@@ -225,6 +234,18 @@ class EngineConfig:
             if b is not None:
                 object.__setattr__(self, name, tuple(b))
 
+    def on_platform(self, platform: str) -> EngineConfig:
+        """This config with its per-platform defaults filled in (`platform`: a jax device's,
+        e.g. "cpu", "gpu"); the engine runs on what this returns."""
+        if self.max_num_seqs is not None:
+            return self
+        default = CPU_MAX_NUM_SEQS if platform == "cpu" else MAX_NUM_SEQS
+        return dataclasses.replace(self, max_num_seqs=min(default, self.max_num_batched_tokens))
+
+    def _resolved(self) -> None:
+        if self.max_num_seqs is None:
+            raise ValueError("max_num_seqs depends on the platform: take on_platform() first")
+
     @property
     def spec_tokens(self) -> int:
         """K: the proposed tokens a step's rows have room for (0 without speculation)."""
@@ -239,6 +260,7 @@ class EngineConfig:
         (Scheduler._fit_bucket), where padding rows cost in proportion: on a CPU. On an
         accelerator a step's rows below its compute-bound size are nearly free, and the
         extra step is not."""
+        self._resolved()
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=self.scheduling_policy,
@@ -249,6 +271,7 @@ class EngineConfig:
 
     def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(token, sequence, blocks-per-sequence) buckets; each ends at its limit."""
+        self._resolved()
         # Decode steps dominate a serving run and their cost grows with the padded row count:
         # on bench.py's workload (SmolLM2-135M, CPU) the 1.5x sizes cut the decode steps' time
         # ~10% for ~30% more programs to compile once.

@@ -12,13 +12,26 @@ from jaxserve.core.scheduler import PreemptionMode, SchedulingPolicy
 from kernels import AttentionBackend
 
 
+def test_max_num_seqs_defaults_per_platform_within_the_budget():
+    cfg = EngineConfig()
+    assert cfg.max_num_seqs is None
+    with pytest.raises(ValueError, match="on_platform"):
+        cfg.buckets()
+    assert cfg.on_platform("cpu").max_num_seqs == 16
+    assert cfg.on_platform("gpu").max_num_seqs == 64
+    assert EngineConfig(max_num_batched_tokens=8).on_platform("gpu").max_num_seqs == 8
+    assert EngineConfig(max_num_seqs=40).on_platform("cpu").max_num_seqs == 40
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+
+
 def test_strings_become_enums_and_bad_names_are_refused():
     cfg = EngineConfig(scheduling_policy="priority", preemption_mode="swap",
                        attention_backend="reference")
     assert cfg.scheduling_policy is SchedulingPolicy.PRIORITY
     assert cfg.preemption_mode is PreemptionMode.SWAP
     assert cfg.attention_backend is AttentionBackend.REFERENCE
-    assert cfg.scheduler_config().policy is SchedulingPolicy.PRIORITY
+    assert cfg.on_platform("cpu").scheduler_config().policy is SchedulingPolicy.PRIORITY
     for field in ("scheduling_policy", "preemption_mode", "attention_backend"):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: "nonsense"})

@@ -102,7 +102,9 @@ class LLMEngine:
                  devices: list[jax.Device] | None = None, **kwargs):
         """`devices`: the device group this engine runs on (default: the first
         tensor_parallel_size devices); engine/data_parallel.py gives each replica its own."""
-        self.config = config = config or EngineConfig(**kwargs)
+        config = config or EngineConfig(**kwargs)
+        platform = devices[0].platform if devices else jax.default_backend()
+        self.config = config = config.on_platform(platform)
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
