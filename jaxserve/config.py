@@ -255,11 +255,8 @@ class EngineConfig:
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
-    def scheduler_config(self, fit_token_buckets: bool = False) -> SchedulerConfig:
-        """`fit_token_buckets`: let steps end on a token bucket rather than pad past it
-        (Scheduler._fit_bucket), where padding rows cost in proportion: on a CPU. On an
-        accelerator a step's rows below its compute-bound size are nearly free, and the
-        extra step is not."""
+    def scheduler_config(self, token_buckets: tuple[int, ...] = ()) -> SchedulerConfig:
+        """`token_buckets`: the compiled token counts steps may end on (SchedulerConfig)."""
         self._resolved()
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -267,7 +264,7 @@ class EngineConfig:
             priority_aging_s=self.priority_aging_s,
             prefill_chunk_alignment=self.prefill_chunk_alignment,
             preemption_mode=self.preemption_mode,
-            token_buckets=self.buckets()[0] if fit_token_buckets else ())
+            token_buckets=token_buckets)
 
     def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(token, sequence, blocks-per-sequence) buckets; each ends at its limit."""

@@ -24,6 +24,7 @@ evict each other back and forth.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import itertools
@@ -38,6 +39,15 @@ from jaxserve.core.speculative import Speculator
 from jaxserve.core.swap_space import SwapSpace
 
 _BY_ARRIVAL = attrgetter("arrival_index")
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
+    """The smallest of the ascending `buckets` that holds `n` (`what` names n in the error)."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
 # A step's fixed cost in token rows, for Scheduler._fit_bucket: on a CPU, where the cut is made,
 # a step streams every weight once whatever its rows (~10 ms for SmolLM2-135M, measured), about
 # what 8 prompt rows cost.
@@ -389,12 +399,13 @@ class Scheduler:
             demand += seq.num_uncomputed_tokens
             slots -= 1
         total = used + min(demand, budget)
-        fit = max((b for b in buckets if b <= total), default=0)
+        below = bisect.bisect_right(buckets, total)
+        fit = buckets[below - 1] if below else 0
         if not used < fit < total:
             return budget
 
         def rows(n: int) -> int:  # a step of n tokens: its padded rows and fixed cost
-            return next(b for b in buckets if b >= n) + _STEP_ROWS if n else 0
+            return pick_bucket(buckets, n, "tokens in step") + _STEP_ROWS if n else 0
 
         cut = fit + rows(used + total - fit)
         return fit - used if cut < rows(total) - _STEP_ROWS + rows(used) else budget

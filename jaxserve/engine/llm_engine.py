@@ -122,7 +122,10 @@ class LLMEngine:
                            config.speculative_adaptive))
             if config.speculative_method else None)
         self.scheduler = Scheduler(
-            config.scheduler_config(fit_token_buckets=self.runner.devices[0].platform == "cpu"),
+            # Steps end on a token bucket rather than pad past it (Scheduler._fit_bucket)
+            # where padded rows cost in proportion, on a CPU; on an accelerator rows below its
+            # compute-bound size are nearly free, and the extra step is not.
+            config.scheduler_config(self.runner.buckets[0] if platform == "cpu" else ()),
             self.block_manager,
             SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None,
             speculator=self.speculator)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -10,7 +9,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxserve.core.scheduler import ScheduledSeq, prompt_rows
+from jaxserve.core.scheduler import ScheduledSeq, pick_bucket, prompt_rows
 from jaxserve.core.sequence import PENDING
 from jaxserve.runtime import logits_processing
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
@@ -44,13 +43,6 @@ class StepInputs:
         """The compiled program that runs it: its bucket and K, the proposal slots per row
         (0 in a step that verifies nothing, so such steps run the plain program)."""
         return (*self.bucket, self.spec.draft_tokens.shape[1])
-
-
-def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
-    i = bisect.bisect_left(buckets, n)
-    if i == len(buckets):
-        raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
-    return buckets[i]
 
 
 def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int) -> int:
