@@ -49,6 +49,16 @@ inline v8 load(const float* p) {
 }
 inline void store(float* p, v8 x) { std::memcpy(p, &x, sizeof x); }
 inline v8 splat(float a) { return v8{a, a, a, a, a, a, a, a}; }
+// a * b + c, rounded once where the CPU has FMA. Spelled out, not left to the compiler's
+// contraction, which may pair a pool type's loads with different adds: a float16 pool must give
+// the numbers of a float32 pool holding the same values.
+inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
 inline float hsum(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
@@ -130,6 +140,75 @@ struct Scratch {
   std::vector<float> p, acc, q, norm;
 };
 
+// Two vectors' lanes picked by index (0-7 the first's, 8-15 the second's).
+#if defined(__clang__) || __GNUC__ >= 12
+#define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PICK(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#endif
+
+// Lane j of the result is the sum of x[j]'s lanes: eight horizontal sums in 7 steps of two
+// shuffles and an add, where one at a time would take 8 of about 5 steps each.
+inline v8 sum_lanes(const v8 (&x)[W]) {
+  v8 pair[4], quad[2];
+  for (int i = 0; i < 4; ++i)  // [a0+a1, b0+b1, a2+a3, b2+b3, ...] of a = x[2i], b = x[2i+1]
+    pair[i] = PICK(x[2 * i], x[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+              PICK(x[2 * i], x[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)  // [a0-3, b0-3, c0-3, d0-3, a4-7, b4-7, c4-7, d4-7]
+    quad[i] = PICK(pair[2 * i], pair[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+              PICK(pair[2 * i], pair[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return PICK(quad[0], quad[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         PICK(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// The rows of block j (keys j*B ...), all kv heads: B * K * H contiguous values.
+template <typename T>
+inline const T* block_rows(const Problem& pr, const void* pages, const int32_t* table,
+                           int64_t j, int64_t row_floats) {
+  return static_cast<const T*>(pages) +
+         std::clamp<int64_t>(table[j], 0, pr.pages - 1) * pr.block * row_floats;
+}
+
+// Probabilities times values of keys [c0, c1) for U units of one kv head that share a row (so
+// its keys): their U * HV output vectors stay in registers while each value row is read once.
+template <typename Pages, int HV, int U>
+void weigh_values(const Problem& pr, const int32_t* table, int64_t kh, int64_t c0, int64_t c1,
+                  const float* const* probs, float* const* acc) {
+  using T = typename Pages::T;
+  constexpr int64_t H = HV * W;
+  const int64_t row_floats = pr.kv_heads * H, B = pr.block;
+  v8 a[U][HV];
+  for (int k = 0; k < U; ++k)
+    for (int i = 0; i < HV; ++i) a[k][i] = load(acc[k] + i * W);
+  for (int64_t c = c0; c < c1; ++c) {
+    const T* vr = block_rows<T>(pr, pr.v_pages, table, c / B, row_floats) + (c % B) * row_floats +
+                  kh * H;
+    for (int i = 0; i < HV; ++i) {
+      const v8 vv = Pages::load8(vr + i * W);
+      for (int k = 0; k < U; ++k) a[k][i] = fma8(splat(probs[k][c]), vv, a[k][i]);
+    }
+  }
+  for (int k = 0; k < U; ++k)
+    for (int i = 0; i < HV; ++i) store(acc[k] + i * W, a[k][i]);
+}
+
+// Units of one row weighed together: as many as leave room in the registers for the loads.
+template <int HV>
+constexpr int kUnits = std::clamp(24 / HV, 1, 4);
+
+template <typename Pages, int HV, int U = kUnits<HV>>
+void weigh_values_n(int count, const Problem& pr, const int32_t* table, int64_t kh, int64_t c0,
+                    int64_t c1, const float* const* probs, float* const* acc) {
+  if constexpr (U > 1)
+    if (count < U)
+      return weigh_values_n<Pages, HV, U - 1>(count, pr, table, kh, c0, c1, probs, acc);
+  weigh_values<Pages, HV, U>(pr, table, kh, c0, c1, probs, acc);
+}
+
+// Keys a tile takes at a time in its value pass: all kv heads' value rows of so many keys (24 KB
+// of float32 at K * H = 192) stay in L1 while every head and row of the tile reads them.
+constexpr int64_t kKeyChunk = 32;
+
 template <typename Pages, int HV>  // head dim = HV * 8
 void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   using T = typename Pages::T;
@@ -147,11 +226,6 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   }
   const int64_t stride = (n_keys + W - 1) / W * W;  // a row of scores, padded to whole vectors
   const int64_t row_floats = K * H;  // one token's keys (or values), all kv heads
-  // The rows of block j (keys j*B ...), all kv heads: B * K * H contiguous values.
-  auto block_rows = [&](const void* pages, int64_t j) {
-    return static_cast<const T*>(pages) +
-           std::clamp<int64_t>(table[j], 0, pr.pages - 1) * B * row_floats;
-  };
   // Every buffer is laid out (kv head, row, head of the group, ...): u = (kh * rows + r) * G + g.
   const int64_t units = K * rg;
   sc.p.resize(units * stride);
@@ -165,28 +239,34 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
         float* dst = sc.q.data() + ((kh * rows + r) * G + g) * H;
         for (int64_t h = 0; h < H; ++h) dst[h] = src[h] * pr.scale;
       }
-  // Scores: each key row (all kv heads, contiguous) is read once for the whole tile.
-  for (int64_t c = 0; c < n_keys; ++c) {
-    const T* kr = block_rows(pr.k_pages, c / B) + (c % B) * row_floats;
+  // Scores, eight keys at a time, in the order they lie in the pages (memory, not arithmetic,
+  // bounds a long context): their key rows stay in L1 for every head and row of the tile, and
+  // each key's dot product is left as eight partial sums, added up for all eight at once.
+  // Keys past the last (to a whole vector) repeat it; the softmax masks them.
+  for (int64_t c0 = 0; c0 < n_keys; c0 += W)
     for (int64_t kh = 0; kh < K; ++kh) {
-      v8 kv[HV];
-      for (int i = 0; i < HV; ++i) kv[i] = Pages::load8(kr + kh * H + i * W);
+      const T* kr[W];
+      for (int j = 0; j < W; ++j) {
+        const int64_t c = std::min(c0 + j, n_keys - 1);
+        kr[j] = block_rows<T>(pr, pr.k_pages, table, c / B, row_floats) + (c % B) * row_floats +
+                kh * H;
+      }
       for (int64_t r = 0; r < rows; ++r) {
-        if (c >= seen[r]) continue;
-        const int64_t u0 = (kh * rows + r) * G;
+        if (c0 >= seen[r]) continue;
         for (int64_t g = 0; g < G; ++g) {
-          const float* qr = sc.q.data() + (u0 + g) * H;
-          v8 a0 = splat(0.f), a1 = splat(0.f);
-          for (int i = 0; i + 1 < HV; i += 2) {
-            a0 += load(qr + i * W) * kv[i];
-            a1 += load(qr + (i + 1) * W) * kv[i + 1];
+          const int64_t u = (kh * rows + r) * G + g;
+          v8 qv[HV];
+          for (int i = 0; i < HV; ++i) qv[i] = load(sc.q.data() + u * H + i * W);
+          v8 part[W];
+          for (int j = 0; j < W; ++j) {
+            part[j] = qv[0] * Pages::load8(kr[j]);
+            for (int i = 1; i < HV; ++i)
+              part[j] = fma8(qv[i], Pages::load8(kr[j] + i * W), part[j]);
           }
-          if (HV % 2) a0 += load(qr + (HV - 1) * W) * kv[HV - 1];
-          sc.p[(u0 + g) * stride + c] = hsum(a0 + a1);
+          store(sc.p.data() + u * stride + c0, sum_lanes(part));
         }
       }
     }
-  }
   // Softmax over each row's own keys; the rest of its scores become exact zeros.
   for (int64_t u = 0; u < units; ++u) {
     float* s = sc.p.data() + u * stride;
@@ -209,23 +289,26 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
     for (int64_t c = n; c < stride; ++c) tail += s[c], s[c] = 0.f;
     sc.norm[u] = hsum(sum) - tail;
   }
-  // Probabilities times values: each value row is read once for the whole tile.
-  for (int64_t c = 0; c < n_keys; ++c) {
-    const T* vr = block_rows(pr.v_pages, c / B) + (c % B) * row_floats;
-    for (int64_t kh = 0; kh < K; ++kh) {
-      v8 vv[HV];
-      for (int i = 0; i < HV; ++i) vv[i] = Pages::load8(vr + kh * H + i * W);
+  // Probabilities times values, kKeyChunk keys at a time, a row's group heads a few at a time
+  // (weigh_values).
+  constexpr int U = kUnits<HV>;
+  for (int64_t c0 = 0; c0 < n_keys; c0 += kKeyChunk)
+    for (int64_t kh = 0; kh < K; ++kh)
       for (int64_t r = 0; r < rows; ++r) {
-        if (c >= seen[r]) continue;
-        const int64_t u0 = (kh * rows + r) * G;
-        for (int64_t g = 0; g < G; ++g) {
-          const v8 p = splat(sc.p[(u0 + g) * stride + c]);
-          float* a = sc.acc.data() + (u0 + g) * H;
-          for (int i = 0; i < HV; ++i) store(a + i * W, load(a + i * W) + p * vv[i]);
+        const int64_t c1 = std::min(c0 + kKeyChunk, seen[r]);
+        if (c1 <= c0) continue;
+        for (int64_t g0 = 0; g0 < G; g0 += U) {
+          const int count = static_cast<int>(std::min<int64_t>(U, G - g0));
+          const float* probs[U];
+          float* acc[U];
+          for (int k = 0; k < count; ++k) {
+            const int64_t u = (kh * rows + r) * G + g0 + k;
+            probs[k] = sc.p.data() + u * stride;
+            acc[k] = sc.acc.data() + u * H;
+          }
+          weigh_values_n<Pages, HV>(count, pr, table, kh, c0, c1, probs, acc);
         }
       }
-    }
-  }
   for (int64_t kh = 0; kh < K; ++kh)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < G; ++g) {
