@@ -62,9 +62,10 @@ class EngineConfig:
     dtype: str = option("auto", f"weights and KV dtype, one of {', '.join(DTYPES)} "
                                 "(auto: bfloat16 on a GPU/TPU, float32 on a CPU)")
     kv_cache_dtype: str = option(
-        "auto", f"KV pool dtype, one of {', '.join(DTYPES)} (auto: the dtype's). A float16 or "
-                "bfloat16 pool under a float32 model halves what attention reads, and holds "
-                "twice the tokens in the same bytes (the cpu and jnp attention backends)")
+        "auto", f"KV pool dtype, one of {', '.join(DTYPES)} (auto: float16 under a float32 "
+                "model on the cpu attention backend, else the dtype's). A float16 or bfloat16 "
+                "pool under a float32 model halves what attention reads, and holds twice the "
+                "tokens in the same bytes (the cpu and jnp attention backends)")
     max_model_len: int = option(2048, "longest sequence (prompt + output) a request may reach")
     max_num_seqs: int | None = option(
         None, "most sequences in one step (the running set) (default: 16 on a CPU, 64 "

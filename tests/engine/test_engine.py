@@ -220,7 +220,7 @@ def test_kv_pool_sizing(tiny_llama_dir):
     from jaxserve.runtime.kv_cache import bytes_per_block, pool_bytes
 
     e = make_engine(tiny_llama_dir, num_kv_blocks=None, kv_cache_memory_bytes=1 << 20)
-    per_block = bytes_per_block(e.model_config, 16, e.runner.dtype)
+    per_block = bytes_per_block(e.model_config, 16, e.runner.kv_dtype)
     assert e.runner.num_blocks == (1 << 20) // per_block == e.block_manager.num_blocks
     assert e.runner.kv.k.shape[1] == e.runner.num_blocks
     # A memory fraction needs device memory statistics; a CPU has none, so the byte budget holds.

@@ -34,7 +34,7 @@ def generate(model, **kw):
 def test_half_precision_pool_serves_close_to_the_float32_one(tiny_llama_dir, kv, backend):
     """The pool is of kv_cache_dtype, holds twice the blocks in the same bytes, and the
     tokens' logprobs stay within its rounding of the float32 pool's."""
-    want_e, want = generate(tiny_llama_dir, attention_backend=backend)
+    want_e, want = generate(tiny_llama_dir, attention_backend=backend, kv_cache_dtype="float32")
     got_e, got = generate(tiny_llama_dir, attention_backend=backend, kv_cache_dtype=kv)
     assert got_e.runner.kv.k.dtype == np.dtype(kv) and want_e.runner.kv.k.dtype == np.float32
     assert got_e.block_manager.num_blocks == 2 * want_e.block_manager.num_blocks
@@ -55,3 +55,17 @@ def test_refusals_name_the_field():
         why = unavailable(AttentionBackend.PALLAS, dtype="float32", kv_dtype="float16")
         assert why is not None and "kv_cache_dtype" in why
         assert unavailable(AttentionBackend.XLA, dtype="float32", kv_dtype="float16") is None
+
+
+def test_auto_is_float16_under_a_float32_model_on_the_cpu_kernel_only(tiny_llama_dir):
+    """The cpu kernel widens a float16 pool as it reads, so auto takes it there (half the bytes
+    a decode streams); the other backends keep the model's dtype."""
+    from jaxserve.runtime.runner import auto_kv_dtype
+
+    assert auto_kv_dtype("float32", AttentionBackend.CPU) == np.float16
+    for backend in (AttentionBackend.XLA, AttentionBackend.PALLAS, AttentionBackend.MOSAIC):
+        assert auto_kv_dtype("float32", backend) == np.float32
+    assert auto_kv_dtype("bfloat16", AttentionBackend.CPU) == jax.numpy.bfloat16
+    e = LLMEngine(EngineConfig(model=tiny_llama_dir, **SMALL))
+    want = np.float16 if e.runner.attention_backend is AttentionBackend.CPU else np.float32
+    assert e.runner.kv.k.dtype == want
