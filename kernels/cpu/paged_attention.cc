@@ -161,12 +161,12 @@ inline v8 sum_lanes(const v8 (&x)[W]) {
          PICK(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// The rows of block j (keys j*B ...), all kv heads: B * K * H contiguous values.
+// Key c's row of a sequence's pages (its keys or values, all kv heads: K * H contiguous values).
 template <typename T>
-inline const T* block_rows(const Problem& pr, const void* pages, const int32_t* table,
-                           int64_t j, int64_t row_floats) {
-  return static_cast<const T*>(pages) +
-         std::clamp<int64_t>(table[j], 0, pr.pages - 1) * pr.block * row_floats;
+inline const T* token_row(const Problem& pr, const void* pages, const int32_t* table, int64_t c,
+                          int64_t row_floats) {
+  const int64_t page = std::clamp<int64_t>(table[c / pr.block], 0, pr.pages - 1);
+  return static_cast<const T*>(pages) + (page * pr.block + c % pr.block) * row_floats;
 }
 
 // Probabilities times values of keys [c0, c1) for U units of one kv head that share a row (so
@@ -176,13 +176,12 @@ void weigh_values(const Problem& pr, const int32_t* table, int64_t kh, int64_t c
                   const float* const* probs, float* const* acc) {
   using T = typename Pages::T;
   constexpr int64_t H = HV * W;
-  const int64_t row_floats = pr.kv_heads * H, B = pr.block;
+  const int64_t row_floats = pr.kv_heads * H;
   v8 a[U][HV];
   for (int k = 0; k < U; ++k)
     for (int i = 0; i < HV; ++i) a[k][i] = load(acc[k] + i * W);
   for (int64_t c = c0; c < c1; ++c) {
-    const T* vr = block_rows<T>(pr, pr.v_pages, table, c / B, row_floats) + (c % B) * row_floats +
-                  kh * H;
+    const T* vr = token_row<T>(pr, pr.v_pages, table, c, row_floats) + kh * H;
     for (int i = 0; i < HV; ++i) {
       const v8 vv = Pages::load8(vr + i * W);
       for (int k = 0; k < U; ++k) a[k][i] = fma8(splat(probs[k][c]), vv, a[k][i]);
@@ -246,11 +245,9 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   for (int64_t c0 = 0; c0 < n_keys; c0 += W)
     for (int64_t kh = 0; kh < K; ++kh) {
       const T* kr[W];
-      for (int j = 0; j < W; ++j) {
-        const int64_t c = std::min(c0 + j, n_keys - 1);
-        kr[j] = block_rows<T>(pr, pr.k_pages, table, c / B, row_floats) + (c % B) * row_floats +
+      for (int j = 0; j < W; ++j)
+        kr[j] = token_row<T>(pr, pr.k_pages, table, std::min(c0 + j, n_keys - 1), row_floats) +
                 kh * H;
-      }
       for (int64_t r = 0; r < rows; ++r) {
         if (c0 >= seen[r]) continue;
         for (int64_t g = 0; g < G; ++g) {
