@@ -43,13 +43,14 @@
 // - tiles: per block of 32 rows of k, the weights widened once, in the pairs the instruction
 //   reads, into a buffer that stays in L1, and used by every row of x in tiles of up to MR
 //   rows whose int32 sums stay in registers; the float sums go to memory per block.
-// Widening the nibble form is a few cheap operations, so it always takes rows (single thread,
-// 30 layers of 576x1536: 0.9 ms instead of 1.5-2.3 at 1 row, 11-12 instead of 13.9-14.1 at 32,
-// 182 instead of 209 at 512); so does the pair form, whose widening is one sign extension.
-// Widening the int8 form's codes takes two shuffles per pair of rows, so repeating it for
-// every DR rows loses past a few rows: that form takes rows up to kFewRows and tiles above
-// (the 576x49152 head in that form: 5.1 ms instead of 9.0 at 1 row, even at 8, 29 instead of
-// 21 at 32). The integer sums are exact on every path (VNNI, AVX-512BW, portable) and both
+// With AVX-512, widening the nibble form is a few cheap operations, so it always takes rows
+// (single thread, 30 layers of 576x1536: 0.9 ms instead of 1.5-2.3 at 1 row, 11-12 instead of
+// 13.9-14.1 at 32, 182 instead of 209 at 512); so does the pair form, whose widening is one
+// sign extension. Widening the int8 form's codes takes two shuffles per pair of rows, so
+// repeating it for every DR rows loses past a few rows: that form takes rows up to kFewRows
+// and tiles above (the 576x49152 head in that form: 5.1 ms instead of 9.0 at 1 row, even at
+// 8, 29 instead of 21 at 32). Without AVX-512 every form takes tiles (see MR).
+// The integer sums are exact on every path (VNNI, AVX-512BW, AVX2, portable) and both
 // ways finish a block with the same float operations (`fold`), so a row's result does not
 // depend on the way or on the other rows of x (batch invariance).
 #include <algorithm>
@@ -80,14 +81,20 @@ constexpr int KB = 32;      // rows of k per block (GGUF's block length)
 constexpr int KP = KB / 2;  // pairs of rows of k per block
 constexpr float kQMax = 32767.f;
 // Rows of x per register tile: 2 * MR int32 sums and 2 weight vectors must fit the register
-// file (32 vector registers with AVX-512, 16 half-width ones without).
-// The rows way keeps 2 float sums per row as well, so it takes fewer rows at a time.
+// file (32 vector registers with AVX-512; AVX2's 16 half-width ones hold 4 * MR sums, and the
+// multiplies read the weights from the widened buffer). The rows way keeps 2 float sums per
+// row as well, so it takes fewer rows at a time. Without AVX-512 it would widen a block's codes
+// again for every row, at about the cost of the row's products, so there every form takes
+// tiles (AVX2, one 576x1536 nibble product: 0.3-0.35 ms at 16 rows instead of 2.0 the rows
+// way, 0.12-0.13 at 1 row instead of 0.15-0.2).
 #if defined(__AVX512F__)
 constexpr int MR = 12;
 constexpr int DR = 6;
+constexpr int64_t kWidenInRegistersUpTo = INT64_MAX;
 #else
 constexpr int MR = 3;
 constexpr int DR = 1;
+constexpr int64_t kWidenInRegistersUpTo = 0;
 #endif
 
 template <typename T>
@@ -154,7 +161,7 @@ struct Int8Codes {
     w0 = load<i16x>(out), w1 = load<i16x>(out + NP);
 #endif
   }
-  static constexpr int64_t kFewRows = 8;
+  static constexpr int64_t kFewRows = std::min<int64_t>(8, kWidenInRegistersUpTo);
 };
 
 struct NibbleCodes {
@@ -176,6 +183,10 @@ struct NibbleCodes {
   static v16 scales(const uint16_t* s) {
 #if defined(__AVX512F__)
     return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+#elif defined(__F16C__)
+    __m256 h[2];
+    for (int i = 0; i < 2; ++i) h[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s + i));
+    return load<v16>(h);
 #else
     v16 f;
     for (int i = 0; i < V; ++i) f[i] = jaxserve::half_to_float(s[i]);
@@ -188,7 +199,7 @@ struct NibbleCodes {
     const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
     w0 = (i16x)(b & 15), w1 = (i16x)(b >> 4);
   }
-  static constexpr int64_t kFewRows = INT64_MAX;
+  static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
 
 struct PairCodes {
@@ -213,7 +224,7 @@ struct PairCodes {
     w0 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP), s16x32);
     w1 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP + NP), s16x32);
   }
-  static constexpr int64_t kFewRows = INT64_MAX;
+  static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
 
 // x in the form the tiles read: per row r and block b, xq[r, k] int16, xs[r, b] and the float
@@ -228,6 +239,12 @@ struct QuantizedRows {
 inline v16 round_even(v16 v) {
 #if defined(__AVX512F__)
   return (v16)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__)
+  __m256 h[2];
+  std::memcpy(h, &v, sizeof h);
+  for (auto& x : h) x = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  std::memcpy(&v, h, sizeof h);
+  return v;
 #else
   for (int i = 0; i < V; ++i) v[i] = std::nearbyint(v[i]);
   return v;
@@ -264,11 +281,45 @@ inline void fold(v16& c0, v16& c1, i16x a0, i16x a1, v16 s0, v16 s1, v16 m0, v16
   c1 += m1 * x_sum;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// fold's arithmetic 8 columns at a time, for the AVX2 tiles: their sums stay in half-width
+// registers (the compiler would move 16-lane vectors through the stack).
+inline __m256 fold8(__m256 c, __m256i a, __m256 s, __m256 m, __m256 x_scale, __m256 x_sum) {
+  c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, x_scale), c);
+  return _mm256_fmadd_ps(m, x_sum, c);
+}
+#endif
+
 // c[R, NP] += the block's contribution for R rows of x (see the file comment). xq rows are
 // `ldx` apart, xs and sx rows `ldb`; w is widen's buffer; c is dense.
 template <int R>
 void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int64_t ldb,
           const int16_t* w, v16 s0, v16 s1, v16 m0, v16 m1, float* c) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Half-width registers: the sums as 4 registers of 8 lanes a row (a0's halves, then a1's),
+  // and the multiply reads the weights from the buffer, so 4 R sums stay in the 16 registers.
+  __m256i a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (auto& h : a[r]) h = _mm256_setzero_si256();
+  for (int kp = 0; kp < KP; ++kp) {
+    const __m256i* wk = reinterpret_cast<const __m256i*>(w + kp * 2 * NP);
+    for (int r = 0; r < R; ++r) {
+      const __m256i pair = _mm256_set1_epi32(load<int32_t>(xq + r * ldx + 2 * kp));
+      for (int h = 0; h < 4; ++h)
+        a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(_mm256_loadu_si256(wk + h), pair));
+    }
+  }
+  __m256 sc[4], mn[4];  // the panel's scales and minima, 8 columns each
+  std::memcpy(sc, &s0, sizeof s0), std::memcpy(sc + 2, &s1, sizeof s1);
+  std::memcpy(mn, &m0, sizeof m0), std::memcpy(mn + 2, &m1, sizeof m1);
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * NP;
+    const __m256 x_scale = _mm256_set1_ps(xs[r * ldb]), x_sum = _mm256_set1_ps(sx[r * ldb]);
+    for (int h = 0; h < 4; ++h)
+      _mm256_storeu_ps(cr + 8 * h, fold8(_mm256_loadu_ps(cr + 8 * h), a[r][h], sc[h], mn[h],
+                                         x_scale, x_sum));
+  }
+#else
   i16x a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = i16x{}, a1[r] = i16x{};
   for (int kp = 0; kp < KP; ++kp) {
@@ -285,6 +336,7 @@ void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int6
     fold(c0, c1, a0[r], a1[r], s0, s1, m0, m1, xs[r * ldb], sx[r * ldb]);
     store(cr, c0), store(cr + V, c1);
   }
+#endif
 }
 
 using TileFn = void (*)(const int16_t*, int64_t, const float*, const float*, int64_t,
