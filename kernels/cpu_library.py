@@ -46,8 +46,11 @@ def compiler() -> str | None:
     return None
 
 
-def build(cxx: str) -> str:
-    """Compile the kernels (or find them already compiled) -> the shared library's path."""
+def build(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
+    """Compile the kernels (or find them already compiled) -> the shared library's path.
+    `extra_flags` follow FLAGS (tests build the paths of CPUs with fewer instructions with
+    them, e.g. -mno-avx512f)."""
+    flags = (*FLAGS, *extra_flags)
     files = sources()
     texts = []
     for path in files:
@@ -55,7 +58,7 @@ def build(cxx: str) -> str:
             texts.append(os.path.basename(path).encode() + b"\0" + f.read())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in (
-        *texts, version, " ".join(FLAGS), jax.ffi.include_dir(), jax.__version__,
+        *texts, version, " ".join(flags), jax.ffi.include_dir(), jax.__version__,
         host_cpu()))).hexdigest()[:20]
     home = cache_home()
     root = os.path.join(home, "kernels") if home else tempfile.gettempdir()
@@ -67,7 +70,7 @@ def build(cxx: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     units = [p for p in files if p.endswith(".cc")]
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), *units, "-o", tmp]
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *units, "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         os.unlink(tmp)

@@ -61,7 +61,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 

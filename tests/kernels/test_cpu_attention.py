@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels import cpu_attention
 from kernels.cpu_attention import ragged_paged_attention_cpu
 from kernels.reference import ragged_paged_attention_reference
 from tests.kernels.test_attention import LAYER, MIXED, assert_close, make_case
+from tests.kernels.test_cpu_library import FEWER, fewer_targets, x86
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -139,3 +141,22 @@ def test_without_a_compiler_auto_takes_xla_and_says_why(tmp_path):
     chosen, error = out.stdout.strip().splitlines()
     assert chosen.startswith("xla |") and "no C++ compiler" in chosen
     assert error.startswith("error |") and "'cpu' cannot run here" in error
+
+
+@x86
+@pytest.mark.parametrize("name", sorted(FEWER))
+def test_the_paths_of_cpus_with_fewer_instructions(name, monkeypatch):
+    """The kernel built for a CPU without AVX-512 (and without AVX2) matches the reference on
+    every pool dtype, and its half-precision loads stay exact (CI's CPU may have AVX-512, so
+    its own path never runs these)."""
+    monkeypatch.setattr(cpu_attention, "TARGET", fewer_targets(name)[cpu_attention.TARGET])
+    q, k, v, md, t = make_case(5, MIXED, kv_heads=3, groups=3, dtype="float32", head_dim=64)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    for block_q in (1, 16):
+        assert_close(run(q, k, v, md, block_q=block_q), want, t, "float32")
+        for pool_dtype in ("float16", "bfloat16"):
+            kh, vh = k.astype(pool_dtype), v.astype(pool_dtype)
+            np.testing.assert_array_equal(
+                np.asarray(run(q, kh, vh, md, block_q=block_q)),
+                np.asarray(run(q, kh.astype(jnp.float32), vh.astype(jnp.float32), md,
+                               block_q=block_q)))

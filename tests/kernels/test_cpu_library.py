@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import platform
 
 import jax
 import pytest
@@ -10,6 +13,29 @@ import pytest
 from kernels import cpu_library
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
+
+
+# The kernels' paths for CPUs with fewer instructions than this one, built by turning sets off
+# on top of -march=native: AVX2 without AVX-512, and no AVX2 (the portable loops). CI's CPU may
+# have AVX-512, so its own build never runs the others; the kernels' tests run them against
+# their references. Where this CPU lacks a set already, the build is its own path again.
+FEWER = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
+
+
+@functools.cache
+def fewer_targets(name: str) -> dict[str, str]:
+    """Build the library with FEWER[name] and register its handlers -> {target: its name}."""
+    lib = ctypes.cdll.LoadLibrary(cpu_library.build(cpu_library.compiler(), FEWER[name]))
+    names = {}
+    for target, symbol in cpu_library.TARGETS.items():
+        names[target] = f"{target}_{name}"
+        jax.ffi.register_ffi_target(names[target], jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+    return names
+
+
+x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                         reason="turns x86 instruction sets off")
 
 
 def test_built_once_and_loaded_after(tmp_path, monkeypatch):

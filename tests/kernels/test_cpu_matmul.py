@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels import cpu_matmul
 from kernels.cpu_matmul import block_matmul, block_matmul_or_none, fits, pack
 from models import quant
 from models.config import ModelConfig
 from models.llama import HEAD_BLOCKS, head_blocks, lm_logits
+from tests.kernels.test_cpu_library import FEWER, fewer_targets, x86
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -302,3 +304,24 @@ def test_head_from_exact_q8_blocks(tied):
     noisy = {k: v + rng.standard_normal(v.shape).astype(np.float32) * 1e-3
              for k, v in params.items()}
     assert head_blocks(cfg, noisy) is None
+
+
+@x86
+@pytest.mark.parametrize("name", sorted(FEWER))
+def test_the_paths_of_cpus_with_fewer_instructions(name, monkeypatch):
+    """Every form on the path of a CPU without AVX-512 (and without AVX2) matches float64 as
+    this CPU's does, rows around each path's tiles, and keeps a row's numbers whatever the
+    other rows are (CI's CPU may have AVX-512, so its own path never runs them)."""
+    names = fewer_targets(name)
+    for attr in ("TARGET", "TARGET_NIBBLES", "TARGET_PAIRS"):
+        monkeypatch.setattr(cpu_matmul, attr, names[getattr(cpu_matmul, attr)])
+    rng = np.random.default_rng(11)
+    for kind, form in CASES:
+        w, held = in_form(make_weight(rng, (160, 96), 0, kind), form)
+        x = jnp.asarray(rng.standard_normal((16, 160)), jnp.float32)
+        full = block_matmul(x, w, 1, (160, 96))  # eager: the monkeypatched targets
+        assert_close(full, expected(x, held, 1))
+        assert_within_scaling(full, x, expanded(held, 1), codes_part(held, 1))
+        for lo, hi in [(0, 1), (3, 5), (2, 9), (0, 13)]:
+            np.testing.assert_array_equal(np.asarray(block_matmul(x[lo:hi], w, 1, (160, 96))),
+                                          np.asarray(full)[lo:hi])
