@@ -5,10 +5,10 @@ block of 32 inputs. The jnp path expands such a weight to float32 in memory befo
 a step writes and reads the expanded weights on top of streaming the codes. The kernel
 (`cpu/block_matmul.cc`) never makes float weights: it scales each block of 32 values of a row
 of x to int16 and multiplies the codes on integers, two products per int32 lane (AVX-512
-VNNI's vpdpwssd where the CPU has it), then applies the block's scales in float32. Scaling x
-moves each value by at most 2^-16 of its block's largest; the engine's greedy tokens still
-equal HF transformers' (tests/models/test_hf_equivalence.py) and its logprobs stay within
-~1e-4 of the float path's.
+VNNI's vpdpwssd where the CPU has it, AVX2's vpmaddwd on half-width registers without it),
+then applies the block's scales in float32. Scaling x moves each value by at most 2^-16 of
+its block's largest; the engine's greedy tokens still equal HF transformers'
+(tests/models/test_hf_equivalence.py) and its logprobs stay within ~1e-4 of the float path's.
 
 Against the previous kernel (float32 weights expanded per block into L1), a 30-layer stack of
 576x1536 products at 32 rows took 10.2-10.7 ms instead of 13.6-15.3, and the full decode
