@@ -49,7 +49,7 @@
 // sign extension. Widening the int8 form's codes takes two shuffles per pair of rows, so
 // repeating it for every DR rows loses past a few rows: that form takes rows up to kFewRows
 // and tiles above (the 576x49152 head in that form: 5.1 ms instead of 9.0 at 1 row, even at
-// 8, 29 instead of 21 at 32). Without AVX-512 every form takes tiles (see MR).
+// 8, 29 instead of 21 at 32). Without AVX-512 every form takes tiles above one row (MR).
 // The integer sums are exact on every path (VNNI, AVX-512BW, AVX2, portable) and both
 // ways finish a block with the same float operations (`fold`), so a row's result does not
 // depend on the way or on the other rows of x (batch invariance).
@@ -83,10 +83,10 @@ constexpr float kQMax = 32767.f;
 // Rows of x per register tile: 2 * MR int32 sums and 2 weight vectors must fit the register
 // file (32 vector registers with AVX-512; AVX2's 16 half-width ones hold 4 * MR sums, and the
 // multiplies read the weights from the widened buffer). The rows way keeps 2 float sums per
-// row as well, so it takes fewer rows at a time. Without AVX-512 it would widen a block's codes
-// again for every row, at about the cost of the row's products, so there every form takes
-// tiles (AVX2, one 576x1536 nibble product: 0.3-0.35 ms at 16 rows instead of 2.0 the rows
-// way, 0.12-0.13 at 1 row instead of 0.15-0.2).
+// row as well, so it takes fewer rows at a time. Without AVX-512 it takes one row: past that
+// it would widen a block's codes again for every row, at about the cost of the row's products
+// (AVX2, one 576x1536 nibble product: 0.3-0.35 ms at 16 rows in tiles instead of 2.0 the rows
+// way; at 1 row 0.04-0.07 ms the rows way instead of 0.10-0.18 in a tile, best of 15).
 #if defined(__AVX512F__)
 constexpr int MR = 12;
 constexpr int DR = 6;
@@ -94,7 +94,7 @@ constexpr int64_t kWidenInRegistersUpTo = INT64_MAX;
 #else
 constexpr int MR = 3;
 constexpr int DR = 1;
-constexpr int64_t kWidenInRegistersUpTo = 0;
+constexpr int64_t kWidenInRegistersUpTo = 1;
 #endif
 
 template <typename T>
@@ -161,6 +161,13 @@ struct Int8Codes {
     w0 = load<i16x>(out), w1 = load<i16x>(out + NP);
 #endif
   }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  static void pair8(const int8_t* q, int64_t n, int kp, __m256i w[4]) {  // as 4 registers
+    i16x w0, w1;
+    pair(q, n, kp, w0, w1);
+    std::memcpy(w, &w0, sizeof w0), std::memcpy(w + 2, &w1, sizeof w1);
+  }
+#endif
   static constexpr int64_t kFewRows = std::min<int64_t>(8, kWidenInRegistersUpTo);
 };
 
@@ -199,6 +206,17 @@ struct NibbleCodes {
     const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
     w0 = (i16x)(b & 15), w1 = (i16x)(b >> 4);
   }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // pair's w0 and w1 as 4 registers of 8 lanes (the compiler would widen through the stack)
+  static void pair8(const uint8_t* q, int64_t, int kp, __m256i w[4]) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kp * NP));
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b, 1));
+    const __m256i low_nibble = _mm256_set1_epi16(15);
+    w[0] = _mm256_and_si256(lo, low_nibble), w[1] = _mm256_and_si256(hi, low_nibble);
+    w[2] = _mm256_srli_epi16(lo, 4), w[3] = _mm256_srli_epi16(hi, 4);
+  }
+#endif
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
 
@@ -224,6 +242,13 @@ struct PairCodes {
     w0 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP), s16x32);
     w1 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP + NP), s16x32);
   }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  static void pair8(const int8_t* q, int64_t, int kp, __m256i w[4]) {  // as NibbleCodes'
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kp * 2 * NP) + i));
+  }
+#endif
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
 
@@ -374,6 +399,39 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
   const int64_t N = pr.n, K = pr.k, blocks = K / KB;
   const int16_t* xq = pr.x->xq.data() + r0 * K;
   const float *xs = pr.x->xs.data() + r0 * blocks, *sx = pr.x->sx.data() + r0 * blocks;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Half-width registers, as the tiles: 4 int32 sums and 4 float sums a row, 8 columns each.
+  __m256 c[R][4];
+  for (int r = 0; r < R; ++r)
+    for (auto& h : c[r]) h = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const auto* q = Codes::codes(pr.q, p, kb, blocks, N);
+    __m256i a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (auto& h : a[r]) h = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int kp = 0; kp < KP; ++kp) {
+      __m256i w[4];
+      Codes::pair8(q, N, kp, w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i pair = _mm256_set1_epi32(load<int32_t>(xq + r * K + kb * KB + 2 * kp));
+        for (int h = 0; h < 4; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(w[h], pair));
+      }
+    }
+    const int64_t at = Codes::scale_at(p, kb, blocks, N);
+    const v16 sv[2] = {Codes::scales(pr.scale + at), Codes::scales(pr.scale + at + V)};
+    const v16 mv[2] = {Codes::scales(pr.min + at), Codes::scales(pr.min + at + V)};
+    __m256 sc[4], mn[4];
+    std::memcpy(sc, sv, sizeof sc), std::memcpy(mn, mv, sizeof mn);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x_scale = _mm256_set1_ps(xs[r * blocks + kb]);
+      const __m256 x_sum = _mm256_set1_ps(sx[r * blocks + kb]);
+      for (int h = 0; h < 4; ++h) c[r][h] = fold8(c[r][h], a[r][h], sc[h], mn[h], x_scale, x_sum);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 4; ++h) _mm256_storeu_ps(pr.y + (r0 + r) * N + p * NP + 8 * h, c[r][h]);
+#else
   v16 c0[R], c1[R];
   for (int r = 0; r < R; ++r) c0[r] = v16{}, c1[r] = v16{};
   for (int64_t kb = 0; kb < blocks; ++kb) {
@@ -400,6 +458,7 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
     store(pr.y + (r0 + r) * N + p * NP, c0[r]);
     store(pr.y + (r0 + r) * N + p * NP + V, c1[r]);
   }
+#endif
 }
 
 template <typename Codes>
