@@ -87,6 +87,13 @@ constexpr float kQMax = 32767.f;
 // it would widen a block's codes again for every row, at about the cost of the row's products
 // (AVX2, one 576x1536 nibble product: 0.3-0.35 ms at 16 rows in tiles instead of 2.0 the rows
 // way; at 1 row 0.04-0.07 ms the rows way instead of 0.10-0.18 in a tile, best of 15).
+// AVX2 without AVX-512: 16 registers of 8 lanes, which the AVX2 code below keeps its 16-lane
+// vectors in explicitly (the compiler would move them through the stack).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define HALF_WIDTH 1
+#else
+#define HALF_WIDTH 0
+#endif
 #if defined(__AVX512F__)
 constexpr int MR = 12;
 constexpr int DR = 6;
@@ -161,7 +168,7 @@ struct Int8Codes {
     w0 = load<i16x>(out), w1 = load<i16x>(out + NP);
 #endif
   }
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if HALF_WIDTH
   static void pair8(const int8_t* q, int64_t n, int kp, __m256i w[4]) {  // as 4 registers
     i16x w0, w1;
     pair(q, n, kp, w0, w1);
@@ -206,8 +213,8 @@ struct NibbleCodes {
     const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
     w0 = (i16x)(b & 15), w1 = (i16x)(b >> 4);
   }
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // pair's w0 and w1 as 4 registers of 8 lanes (the compiler would widen through the stack)
+#if HALF_WIDTH
+  // pair's w0 and w1 as 4 registers of 8 lanes
   static void pair8(const uint8_t* q, int64_t, int kp, __m256i w[4]) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kp * NP));
     const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b));
@@ -242,7 +249,7 @@ struct PairCodes {
     w0 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP), s16x32);
     w1 = (i16x)__builtin_convertvector(load<s8x32>(q + kp * 2 * NP + NP), s16x32);
   }
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if HALF_WIDTH
   static void pair8(const int8_t* q, int64_t, int kp, __m256i w[4]) {  // as NibbleCodes'
     for (int i = 0; i < 4; ++i)
       w[i] = _mm256_cvtepi8_epi16(
@@ -306,9 +313,14 @@ inline void fold(v16& c0, v16& c1, i16x a0, i16x a1, v16 s0, v16 s1, v16 m0, v16
   c1 += m1 * x_sum;
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// fold's arithmetic 8 columns at a time, for the AVX2 tiles: their sums stay in half-width
-// registers (the compiler would move 16-lane vectors through the stack).
+#if HALF_WIDTH
+// A panel's 32 scales (or minima), given as its two halves, as 4 registers of 8 columns.
+inline void quarters(v16 lo, v16 hi, __m256 out[4]) {
+  std::memcpy(out, &lo, sizeof lo), std::memcpy(out + 2, &hi, sizeof hi);
+}
+
+// fold's arithmetic 8 columns at a time, for the AVX2 tiles and rows: their sums stay in
+// half-width registers.
 inline __m256 fold8(__m256 c, __m256i a, __m256 s, __m256 m, __m256 x_scale, __m256 x_sum) {
   c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(s, x_scale), c);
   return _mm256_fmadd_ps(m, x_sum, c);
@@ -320,7 +332,7 @@ inline __m256 fold8(__m256 c, __m256i a, __m256 s, __m256 m, __m256 x_scale, __m
 template <int R>
 void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int64_t ldb,
           const int16_t* w, v16 s0, v16 s1, v16 m0, v16 m1, float* c) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if HALF_WIDTH
   // Half-width registers: the sums as 4 registers of 8 lanes a row (a0's halves, then a1's),
   // and the multiply reads the weights from the buffer, so 4 R sums stay in the 16 registers.
   __m256i a[R][4];
@@ -334,9 +346,8 @@ void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int6
         a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(_mm256_loadu_si256(wk + h), pair));
     }
   }
-  __m256 sc[4], mn[4];  // the panel's scales and minima, 8 columns each
-  std::memcpy(sc, &s0, sizeof s0), std::memcpy(sc + 2, &s1, sizeof s1);
-  std::memcpy(mn, &m0, sizeof m0), std::memcpy(mn + 2, &m1, sizeof m1);
+  __m256 sc[4], mn[4];
+  quarters(s0, s1, sc), quarters(m0, m1, mn);
   for (int r = 0; r < R; ++r) {
     float* cr = c + r * NP;
     const __m256 x_scale = _mm256_set1_ps(xs[r * ldb]), x_sum = _mm256_set1_ps(sx[r * ldb]);
@@ -399,7 +410,7 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
   const int64_t N = pr.n, K = pr.k, blocks = K / KB;
   const int16_t* xq = pr.x->xq.data() + r0 * K;
   const float *xs = pr.x->xs.data() + r0 * blocks, *sx = pr.x->sx.data() + r0 * blocks;
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if HALF_WIDTH
   // Half-width registers, as the tiles: 4 int32 sums and 4 float sums a row, 8 columns each.
   __m256 c[R][4];
   for (int r = 0; r < R; ++r)
@@ -415,18 +426,19 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
       Codes::pair8(q, N, kp, w);
       for (int r = 0; r < R; ++r) {
         const __m256i pair = _mm256_set1_epi32(load<int32_t>(xq + r * K + kb * KB + 2 * kp));
-        for (int h = 0; h < 4; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(w[h], pair));
+        for (int h = 0; h < 4; ++h)
+          a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(w[h], pair));
       }
     }
     const int64_t at = Codes::scale_at(p, kb, blocks, N);
-    const v16 sv[2] = {Codes::scales(pr.scale + at), Codes::scales(pr.scale + at + V)};
-    const v16 mv[2] = {Codes::scales(pr.min + at), Codes::scales(pr.min + at + V)};
     __m256 sc[4], mn[4];
-    std::memcpy(sc, sv, sizeof sc), std::memcpy(mn, mv, sizeof mn);
+    quarters(Codes::scales(pr.scale + at), Codes::scales(pr.scale + at + V), sc);
+    quarters(Codes::scales(pr.min + at), Codes::scales(pr.min + at + V), mn);
     for (int r = 0; r < R; ++r) {
       const __m256 x_scale = _mm256_set1_ps(xs[r * blocks + kb]);
       const __m256 x_sum = _mm256_set1_ps(sx[r * blocks + kb]);
-      for (int h = 0; h < 4; ++h) c[r][h] = fold8(c[r][h], a[r][h], sc[h], mn[h], x_scale, x_sum);
+      for (int h = 0; h < 4; ++h)
+        c[r][h] = fold8(c[r][h], a[r][h], sc[h], mn[h], x_scale, x_sum);
     }
   }
   for (int r = 0; r < R; ++r)
