@@ -49,7 +49,8 @@
 // sign extension. Widening the int8 form's codes takes two shuffles per pair of rows, so
 // repeating it for every DR rows loses past a few rows: that form takes rows up to kFewRows
 // and tiles above (the 576x49152 head in that form: 5.1 ms instead of 9.0 at 1 row, even at
-// 8, 29 instead of 21 at 32). Without AVX-512 every form takes tiles above one row (MR).
+// 8, 29 instead of 21 at 32). Without AVX-512 the nibble and pair forms take rows up to 8 rows
+// and tiles above, the int8 form rows up to DR (see kWidenInRegistersUpTo).
 // The integer sums are exact on every path (VNNI, AVX-512BW, AVX2, portable) and both
 // ways finish a block with the same float operations (`fold`), so a row's result does not
 // depend on the way or on the other rows of x (batch invariance).
@@ -83,10 +84,13 @@ constexpr float kQMax = 32767.f;
 // Rows of x per register tile: 2 * MR int32 sums and 2 weight vectors must fit the register
 // file (32 vector registers with AVX-512; AVX2's 16 half-width ones hold 4 * MR sums, and the
 // multiplies read the weights from the widened buffer). The rows way keeps 2 float sums per
-// row as well, so it takes fewer rows at a time. Without AVX-512 it takes one row: past that
-// it would widen a block's codes again for every row, at about the cost of the row's products
-// (AVX2, one 576x1536 nibble product: 0.3-0.35 ms at 16 rows in tiles instead of 2.0 the rows
-// way; at 1 row 0.04-0.07 ms the rows way instead of 0.10-0.18 in a tile, best of 15).
+// row as well, so it takes fewer rows at a time (DR). AVX2 takes 2 rows either way: at 3, the
+// 12 sums, the 4 products in flight and the pair outgrow the 16 registers and GCC keeps sums
+// on the stack (one 576x1536 nibble product at 16 rows: 0.23-0.26 ms in tiles of 2 instead of
+// 0.31-0.34 in tiles of 3, medians of 15). Widening in registers repeats a block's widening
+// for every DR rows instead of once, and still wins up to 8 rows, evens at 10-16, and loses
+// after (the same product at 2 rows: 0.045 ms instead of 0.078 in a tile; at 8, 0.132 instead
+// of 0.140; at 32, 0.49 instead of 0.41), hence kWidenInRegistersUpTo.
 // AVX2 without AVX-512: 16 registers of 8 lanes, which the AVX2 code below keeps its 16-lane
 // vectors in explicitly (the compiler would move them through the stack).
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -99,9 +103,9 @@ constexpr int MR = 12;
 constexpr int DR = 6;
 constexpr int64_t kWidenInRegistersUpTo = INT64_MAX;
 #else
-constexpr int MR = 3;
-constexpr int DR = 1;
-constexpr int64_t kWidenInRegistersUpTo = 1;
+constexpr int MR = 2;
+constexpr int DR = 2;
+constexpr int64_t kWidenInRegistersUpTo = 8;
 #endif
 
 template <typename T>
@@ -175,7 +179,11 @@ struct Int8Codes {
     std::memcpy(w, &w0, sizeof w0), std::memcpy(w + 2, &w1, sizeof w1);
   }
 #endif
+#if defined(__AVX512BW__)
   static constexpr int64_t kFewRows = std::min<int64_t>(8, kWidenInRegistersUpTo);
+#else  // pair's interleave is a loop of scalars: worth repeating for one pass of DR rows only
+  static constexpr int64_t kFewRows = std::min<int64_t>(DR, kWidenInRegistersUpTo);
+#endif
 };
 
 struct NibbleCodes {

@@ -129,7 +129,8 @@ def codes_part(w, contract):
 @pytest.mark.parametrize("kind, form", CASES)
 def test_matches_float64(rows, kind, form):
     """Rows around the register tiles (with AVX-512: 6 rows at a time the few-rows way, 12 a
-    tile, the int8 form switching from the one to the other above 8), several panels of 32
+    tile, the int8 form switching from the one to the other above 8; without: 2 rows at a time
+    either way, the few-rows way up to 8 rows, the int8 form's up to 2), several panels of 32
     columns."""
     rng = np.random.default_rng(rows)
     w, held = in_form(make_weight(rng, (160, 96), 0, kind), form)
