@@ -83,18 +83,24 @@ def build(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
 @functools.cache
 def library():
     """Build, load and register the kernels once per process -> the library, or why not."""
-    import ctypes
-
     if jax.default_backend() != "cpu":
         return f"it runs on CPUs; the JAX platform here is {jax.default_backend()!r}"
     cxx = compiler()
     if cxx is None:
         return "no C++ compiler found (set CXX, or install g++ or clang++)"
     try:
-        lib = ctypes.cdll.LoadLibrary(build(cxx))
+        return load(build(cxx))
     except (OSError, RuntimeError) as e:
         return str(e)
+
+
+def load(path: str, suffix: str = ""):
+    """Load the library at `path` and register its handlers, each as FFI target name +
+    `suffix` (tests register builds for other CPUs beside this one's) -> the library."""
+    import ctypes
+
+    lib = ctypes.cdll.LoadLibrary(path)
     for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+        jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
     return lib

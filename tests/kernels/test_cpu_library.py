@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import platform
@@ -25,13 +24,9 @@ FEWER = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
 @functools.cache
 def fewer_targets(name: str) -> dict[str, str]:
     """Build the library with FEWER[name] and register its handlers -> {target: its name}."""
-    lib = ctypes.cdll.LoadLibrary(cpu_library.build(cpu_library.compiler(), FEWER[name]))
-    names = {}
-    for target, symbol in cpu_library.TARGETS.items():
-        names[target] = f"{target}_{name}"
-        jax.ffi.register_ffi_target(names[target], jax.ffi.pycapsule(getattr(lib, symbol)),
-                                    platform="cpu")
-    return names
+    suffix = f"_{name}"
+    cpu_library.load(cpu_library.build(cpu_library.compiler(), FEWER[name]), suffix)
+    return {target: target + suffix for target in cpu_library.TARGETS}
 
 
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
