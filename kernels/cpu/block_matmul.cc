@@ -399,7 +399,8 @@ void widen(const typename Codes::Code* q, int64_t n, int16_t* out) {
 #if HALF_WIDTH  // in half-width registers: 16-lane vectors would go through the stack
     __m256i w[4];
     Codes::pair8(q, n, kp, w);
-    for (int h = 0; h < 4; ++h) _mm256_storeu_si256((__m256i*)(out + kp * 2 * NP) + h, w[h]);
+    for (int h = 0; h < 4; ++h)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kp * 2 * NP) + h, w[h]);
 #else
     i16x w0, w1;
     Codes::pair(q, n, kp, w0, w1);
