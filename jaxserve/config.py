@@ -46,7 +46,7 @@ SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 
 
 class LayerLoop(enum.StrEnum):
-    SCAN = "scan"  # one layer body run L times: small program, weights sliced out per layer
+    SCAN = "scan"  # one layer body run L times: small program; weights read at its index
     UNROLL = "unroll"  # L layer bodies reading their weights in place: faster, slower to compile
 
 
@@ -112,8 +112,9 @@ class EngineConfig:
         None, "persistent XLA compilation cache, so a second start loads its programs "
               "(default: $JAXSERVE_CACHE_DIR/xla or ~/.cache/jaxserve/xla; '' turns it off)")
     layer_loop: LayerLoop = option(
-        LayerLoop.SCAN, "how the compiled step runs the layers: scan (one layer body; each "
-                        "layer's weights are sliced out by a copy) or unroll (one body per "
+        LayerLoop.SCAN, "how the compiled step runs the layers: scan (one layer body; the "
+                        "CPU kernel reads its weights at the layer's index, others are sliced "
+                        "out by a copy) or unroll (one body per "
                         "layer reading its weights in place: on a CPU ~1.1x faster decode "
                         "steps, but ~3x the compile time and ~4x the time to load a program "
                         "from the compilation cache)")

@@ -48,13 +48,18 @@ def available() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None) -> bool:
+def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
+         stacked: bool = False) -> bool:
     """Whether quantized weight `w` (of `shape`; the int8 form's own by default), contracted
     over its first `contract` axes, has a layout the kernel reads: int8 codes with float32
     scales, blocks along the last contracted axis (so the rows of k group into whole blocks)
     and a multiple of PANEL outputs; or the nibble form (quant.pack_nibbles) or the pair form
-    (quant.pack_pairs) of that."""
+    (quant.pack_pairs) of that. `stacked`: every plane has a leading axis of layers."""
     if not quant.is_quantized(w):
+        return False
+    lead = 1 if stacked else 0
+    planes = list(w.values())
+    if stacked and len({a.shape[:1] for a in planes if a.ndim}) != 1:
         return False
     if quant.is_packed(w):
         if shape is None:
@@ -64,16 +69,19 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None) -> boo
             return False
         scales = (n // PANEL, k // quant.BLOCK, PANEL)
         if quant.is_nibbles(w):  # uint32 words: 32 bytes of codes, 32 float16 scales a row
-            return (all(a.dtype == jnp.uint32 for a in w.values())
-                    and w["q4"].shape == (n // PANEL, k // 2, PANEL // 4)
-                    and w["scale"].shape == w["min"].shape == (*scales[:2], PANEL // 2))
-        return (w["q8"].dtype == jnp.uint32 and w["q8"].shape == (n // PANEL, k // 2, PANEL // 2)
-                and all(w[p].dtype == jnp.float32 and w[p].shape == scales
+            return (all(a.dtype == jnp.uint32 for a in planes)
+                    and w["q4"].shape[lead:] == (n // PANEL, k // 2, PANEL // 4)
+                    and w["scale"].shape[lead:] == w["min"].shape[lead:]
+                    == (*scales[:2], PANEL // 2))
+        return (w["q8"].dtype == jnp.uint32
+                and w["q8"].shape[lead:] == (n // PANEL, k // 2, PANEL // 2)
+                and all(w[p].dtype == jnp.float32 and w[p].shape[lead:] == scales
                         for p in ("scale", "min")))
-    if w["scale"].dtype != jnp.float32 or (shape is not None and w["q"].shape != shape):
+    if w["scale"].dtype != jnp.float32 or (shape is not None
+                                           and w["q"].shape[lead:] != tuple(shape)):
         return False
-    outputs = math.prod(w["q"].shape[contract:])
-    return quant.block_axis(w) == contract - 1 and outputs % PANEL == 0
+    outputs = math.prod(w["q"].shape[lead + contract:])
+    return quant.block_axis(w) == lead + contract - 1 and outputs % PANEL == 0
 
 
 def pack(params, batch_dims: int = 0):
@@ -89,15 +97,20 @@ def pack(params, batch_dims: int = 0):
 
 
 def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
-                 shape: tuple[int, ...] | None = None) -> jax.Array:
+                 shape: tuple[int, ...] | None = None,
+                 layer: jax.Array | int | None = None) -> jax.Array:
     """x (M, prod(shape[:contract])) float32 @ the weight `w` (a quantized dict, see
     models/quant.py) of `shape` (needed for the packed forms) -> (M, *shape[contract:])
-    float32."""
-    shape = tuple(w["q"].shape) if shape is None and "q" in w else shape
-    if not fits(w, contract, shape):
+    float32. With `layer`, `w` is a stack of layers' weights on a leading axis and the product
+    is with layer `layer` of it, read in place: a scanned model passes its stacks whole
+    instead of slicing (which XLA does as a copy of every layer's weights every step)."""
+    stacked = layer is not None
+    shape = tuple(w["q"].shape[int(stacked):]) if shape is None and "q" in w else shape
+    if not fits(w, contract, shape, stacked):
         raise ValueError(f"block_matmul cannot read a weight of planes "
                          f"{ {k: (a.shape, a.dtype.name) for k, a in w.items()} } "
-                         f"as shape {shape} contracted over {contract} axes")
+                         f"as {'a stack of ' if stacked else ''}shape {shape} contracted over "
+                         f"{contract} axes")
     why = available()
     if why:
         raise ValueError(f"the cpu block matmul kernel cannot run: {why}")
@@ -107,19 +120,22 @@ def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
         raise ValueError(f"block_matmul needs x of shape (M, {k}) float32, got {x.shape} "
                          f"{x.dtype}")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    # Layers (if any) merge into the planes' first axis: the kernel takes L layers' worth.
     if quant.is_packed(w):  # planes already as the kernel reads them
         target, codes = (TARGET_NIBBLES, "q4") if quant.is_nibbles(w) else (TARGET_PAIRS, "q8")
-        y = jax.ffi.ffi_call(target, out)(x, w[codes], w["scale"], w["min"])
-    else:  # (K, N) int8, (K / 32, N) float32 x 2
-        planes = {name: a.reshape(-1, n) for name, a in w.items()}
-        y = jax.ffi.ffi_call(TARGET, out)(x, planes["q"], planes["scale"], planes["min"])
+        planes = [w[p].reshape(-1, *w[p].shape[-2:]) for p in (codes, "scale", "min")]
+    else:  # (L K, N) int8, (L K / 32, N) float32 x 2
+        target, planes = TARGET, [w[p].reshape(-1, n) for p in ("q", "scale", "min")]
+    y = jax.ffi.ffi_call(target, out)(x, *planes, index)
     return y.reshape(x.shape[0], *outputs)
 
 
 def block_matmul_or_none(x: jax.Array, w, contract: int = 1,
-                         shape: tuple[int, ...] | None = None) -> jax.Array | None:
+                         shape: tuple[int, ...] | None = None,
+                         layer: jax.Array | int | None = None) -> jax.Array | None:
     """block_matmul where x and w are what it reads, else None (models/llama.py's
     BlockMatmulFn: the step then expands the weight and runs the dot)."""
-    if x.dtype != jnp.float32 or not fits(w, contract, shape):
+    if x.dtype != jnp.float32 or not fits(w, contract, shape, layer is not None):
         return None
-    return block_matmul(x, w, contract, shape)
+    return block_matmul(x, w, contract, shape, layer)

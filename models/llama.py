@@ -5,8 +5,10 @@ the KV pages, and returns the updated pages plus the logits of the rows that pro
 
 Two layer loops, same maths (`scan_layers`):
 - scanned: the layers' params are stacked on axis 0 and `nn.scan` runs one layer body L times.
-  The program is small and compiles fast, but each iteration slices its layer's weights out of
-  the stacks, which XLA:CPU does as a copy: every step streams the weights twice.
+  The program is small and compiles fast. Each iteration slices its layer's params out of the
+  stacks, which XLA:CPU does as a copy; the projections kept for the CPU block matmul are
+  therefore held apart (`split_layer_blocks`), passed to every iteration whole, and read by the
+  kernel at the layer's index in place (at batch 1 the copies took about a third of a step).
 - unrolled: L separate layers (`layers_0` ... params), each reading its own weight arrays in
   place. A bigger program: ~3x the compile time, ~1.1x faster decode steps on a CPU.
 `layout_params` turns the loader's stacked tree into either layout.
@@ -30,13 +32,16 @@ from kernels.kv_write import write_kv
 from kernels.metadata import AttentionMetadata
 from kernels.reference import ragged_paged_attention_reference
 from models.config import ModelConfig, rope_inv_freq
-from models.quant import dequantize, requantize_q8
+from models.quant import dequantize, is_quantized, requantize_q8
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
-# (x (T, K), quantized weight, contracted axes, the weight's shape (K..., N...)) -> (T, N...),
-# or None where this weight is not one it reads (the step then expands it and runs the dot).
-BlockMatmulFn = Callable[[jax.Array, dict, int, tuple[int, ...]], jax.Array | None]
+# (x (T, K), quantized weight, contracted axes, the weight's shape (K..., N...), layer) ->
+# (T, N...), or None where this weight is not one it reads (the step then expands it and runs
+# the dot). With a layer index (else None), the weight is a stack of layers' on axis 0.
+BlockMatmulFn = Callable[[jax.Array, dict, int, tuple[int, ...], jax.Array | None],
+                         jax.Array | None]
+LAYER_BLOCKS = "layer_blocks"  # a scanned model's block-matmul weights: split_layer_blocks()
 
 
 class RMSNorm(nn.Module):
@@ -68,15 +73,22 @@ class DecoderLayer(nn.Module):
     block_matmul: BlockMatmulFn | None = None
 
     @nn.compact
-    def __call__(self, carry, cos, sin, md: AttentionMetadata):
+    def __call__(self, carry, cos, sin, md: AttentionMetadata, stacks: dict | None = None):
+        """`stacks`: {name: every layer's weight, stacked} for projections read in place at
+        this layer's index (LAYER_BLOCKS) instead of from this layer's params."""
         x, k_pages, v_pages, layer = carry  # x (T, D); pages (L, P, B, K, H); layer ()
         cfg, dt = self.cfg, self.dtype
         d, n, kh, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size)
+
+        def project(x, name, shape, contract=1):
+            stack = None if stacks is None else stacks.get(name)
+            return self.project(x, name, shape, contract, stack, layer)
+
         y = RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x)
-        q = self.project(y, "wq", (d, n, h))
-        k = self.project(y, "wk", (d, kh, h))
-        v = self.project(y, "wv", (d, kh, h))
+        q = project(y, "wq", (d, n, h))
+        k = project(y, "wk", (d, kh, h))
+        v = project(y, "wv", (d, kh, h))
         if cfg.attention_bias:
             q = q + self.param("bq", nn.initializers.zeros, (n, h), dt)
             k = k + self.param("bk", nn.initializers.zeros, (kh, h), dt)
@@ -85,32 +97,41 @@ class DecoderLayer(nn.Module):
 
         k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
         attn = self.attn_fn(q, k_pages, v_pages, layer, md)  # (T, N, H)
-        x = x + self.project(attn.reshape(attn.shape[0], n * h), "wo", (n, h, d), 2)
+        x = x + project(attn.reshape(attn.shape[0], n * h), "wo", (n, h, d), 2)
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
-        gate = self.project(y, "w_gate", (d, f))
-        up = self.project(y, "w_up", (d, f))
-        x = x + self.project(nn.silu(gate) * up, "w_down", (f, d))
+        gate = project(y, "w_gate", (d, f))
+        up = project(y, "w_up", (d, f))
+        x = x + project(nn.silu(gate) * up, "w_down", (f, d))
         return (x, k_pages, v_pages, layer + 1), None
 
-    def project(self, x: jax.Array, name: str, shape: tuple[int, ...],
-                contract: int = 1) -> jax.Array:
+    def project(self, x: jax.Array, name: str, shape: tuple[int, ...], contract: int = 1,
+                stack: dict | None = None, layer: jax.Array | None = None) -> jax.Array:
         """x (T, prod(shape[:contract])) @ weight `name` of `shape` -> (T, *shape[contract:]):
         through `block_matmul` when the weight is kept in blocks and it reads them, else as
         one dot on the expanded weight (one contraction: with two contracting dims XLA:CPU
-        copies the weight every step)."""
-        if self.block_matmul is not None and self.has_variable("params", name):
-            y = self.block_matmul(x, self.get_variable("params", name), contract, shape)
+        copies the weight every step). `stack`: the weight is layer `layer` of it."""
+        if stack is not None:
+            y = self.block_matmul(x, stack, contract, shape, layer)
             if y is not None:
                 return y
-        w = self.weight(name, shape)
+            w = dequantize(jax.tree.map(lambda a: a[layer], stack), self.dtype, shape)
+            return self.dot(x, w, shape, contract)
+        if self.block_matmul is not None and self.has_variable("params", name):
+            y = self.block_matmul(x, self.get_variable("params", name), contract, shape, None)
+            if y is not None:
+                return y
+        return self.dot(x, self.weight(name, shape), shape, contract)
+
+    @staticmethod
+    def dot(x: jax.Array, w: jax.Array, shape: tuple[int, ...], contract: int) -> jax.Array:
         k = math.prod(shape[:contract])
         return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
 
     def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
         """A projection in the compute dtype. Stored GGUF blocks (models/quant.py) are
         dequantized here, inside the step, so only their int8 codes stream from memory (and,
-        under nn.scan, are sliced out of the layer stacks)."""
+        under nn.scan, are sliced out of the layer stacks, which XLA does by a copy)."""
         if self.has_variable("params", name):
             return dequantize(self.get_variable("params", name), self.dtype, shape)
         return self.param(name, nn.initializers.normal(0.02), shape, self.dtype)
@@ -124,6 +145,18 @@ def layout_params(params: dict, num_layers: int, scan_layers: bool) -> dict:
     for i in range(num_layers):
         out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
     return out
+
+
+def split_layer_blocks(params: dict, held_apart: Callable[[dict], bool]) -> dict:
+    """A scanned model's params with the stacked quantized layer weights that `held_apart`
+    picks (those the block matmul reads at a layer index) moved from "layers" to LAYER_BLOCKS:
+    every scan iteration then sees those stacks whole instead of a copy of its layer's slice."""
+    layers = params["layers"]
+    moved = {k: w for k, w in layers.items() if is_quantized(w) and held_apart(w)}
+    if not moved:
+        return params
+    kept = {k: w for k, w in layers.items() if k not in moved}
+    return {**params, "layers": kept, LAYER_BLOCKS: moved}
 
 
 HEAD_BLOCKS = "head_blocks"  # the output projection as exact Q8 blocks (D, V): head_blocks()
@@ -148,7 +181,8 @@ def lm_logits(cfg: ModelConfig, x: jax.Array, params: dict,
     """Final hidden states (N, D) -> logits (N, V) float32: through `block_matmul` on the
     params' HEAD_BLOCKS where both are there, else a dot with head_weight()."""
     if block_matmul is not None and HEAD_BLOCKS in params:
-        logits = block_matmul(x, params[HEAD_BLOCKS], 1, (cfg.hidden_size, cfg.vocab_size))
+        logits = block_matmul(x, params[HEAD_BLOCKS], 1, (cfg.hidden_size, cfg.vocab_size),
+                              None)
         if logits is not None:
             return logits
     spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"
@@ -181,15 +215,17 @@ class Transformer(nn.Module):
         cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
 
         if self.scan_layers:
+            # stacks that every iteration reads whole, at its layer index (the module doc)
+            stacks = self.variables.get("params", {}).get(LAYER_BLOCKS)
             layers = nn.scan(
                 DecoderLayer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast,) * 4,
                 length=cfg.num_layers,
             )(cfg, dt, self.attn_fn, self.block_matmul, name="layers")
             (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin,
-                                                 md)
+                                                 md, stacks)
         else:  # the layer index is a Python int: static slices of the pool, no dynamic ones
             carry = (x, k_pages, v_pages, 0)
             for i in range(cfg.num_layers):

@@ -38,7 +38,14 @@ from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_buck
 from kernels import AttentionBackend, cpu_matmul, select_attention
 from kernels.cpu_matmul import block_matmul_or_none
 from models import quant
-from models.llama import HEAD_BLOCKS, Transformer, head_blocks, layout_params, lm_logits
+from models.llama import (
+    HEAD_BLOCKS,
+    Transformer,
+    head_blocks,
+    layout_params,
+    lm_logits,
+    split_layer_blocks,
+)
 from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -156,6 +163,8 @@ class ModelRunner:
                 p = quant.dequantize_tree(p)
             if self.block_matmul is not None:
                 p = {k: cpu_matmul.pack(v, int(scan and k == "layers")) for k, v in p.items()}
+                if scan:  # read in place at each layer's index, not sliced out per layer
+                    p = split_layer_blocks(p, quant.is_packed)
                 blocks = head_blocks(cfg, p)
                 if blocks is not None:
                     p = {**p, HEAD_BLOCKS: cpu_matmul.pack(blocks)}

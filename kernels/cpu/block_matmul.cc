@@ -12,13 +12,16 @@
 //          first, the codes of pair slots j and 32 + j, where slot 2c + e is q[2kp + e, 32p + c]
 //   scale  (N / 32, K / 32, 32) float16   scale[p, b, c] of column 32p + c
 //   min    (N / 32, K / 32, 32) float16
-//   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16): a scanned
-//   model's layers are sliced out of their stacks a word at a time)
+//   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16))
 // or, BlockMatmulQ8, int8 codes in pairs of rows (models/quant.py's pack_pairs makes it):
 //   q8     (N / 32, K / 2, 64) int8   panel p, pair of rows kp: byte 2c + e holds
 //          q[2kp + e, 32p + c] (as uint32 words, (N / 32, K / 2, 16))
 //   scale  (N / 32, K / 32, 32) float32   scale[p, b, c] of column 32p + c
 //   min    (N / 32, K / 32, 32) float32
+//   layer  () int32   every form may hold a stack of L layers' weights (on axis 0: (L K, N),
+//                     (L N / 32, K / 2, ...), ...): y is layer `layer`'s product, read in
+//                     place (a scanned model's step would otherwise copy each layer's weights
+//                     out of the stack, streaming them twice); one layer is a stack of 1
 //   y      (M, N) float32
 // A panel's codes and scales are contiguous (one stream, no strided rows), and widening a
 // pair of rows to int16 pairs is a zero-extension, a mask and a shift. The form streams 0.625
@@ -143,11 +146,11 @@ struct Int8Codes {
   using Code = int8_t;
   using Scale = float;
   // (K, N) codes, (K / 32, N) scales: block kb of panel p starts at row 32 kb, column 32 p.
-  static bool shape(ffi::Span<const int64_t> qd, int64_t& k, int64_t& n) {
-    if (qd.size() != 2) return false;
-    k = qd[0], n = qd[1];
-    return true;
+  // How many (K, N) layers codes of dims qd hold, stacked as (L K, N); 0 if they are not that.
+  static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
+    return qd.size() == 2 && qd[1] == n && qd[0] % k == 0 ? qd[0] / k : 0;
   }
+  static int64_t per_layer(int64_t k, int64_t n) { return k * n; }  // codes
   static const int8_t* codes(const int8_t* q, int64_t p, int64_t kb, int64_t, int64_t n) {
     return q + kb * KB * n + p * NP;
   }
@@ -190,11 +193,12 @@ struct NibbleCodes {
   using Code = uint8_t;
   using Scale = uint16_t;  // float16 bits
   // (N / 32, K / 2, 32) codes, (N / 32, K / 32, 32) scales: see the file comment.
-  static bool shape(ffi::Span<const int64_t> qd, int64_t& k, int64_t& n) {  // words
-    if (qd.size() != 3 || qd[2] != NP / 4) return false;
-    k = 2 * qd[1], n = qd[0] * NP;
-    return true;
+  // Layers stacked as (L N / 32, K / 2, 8) words.
+  static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
+    return qd.size() == 3 && qd[2] == NP / 4 && qd[1] == k / 2 && qd[0] % (n / NP) == 0
+               ? qd[0] / (n / NP) : 0;
   }
+  static int64_t per_layer(int64_t k, int64_t n) { return k * n / 2; }  // bytes
   static const uint8_t* codes(const uint8_t* q, int64_t p, int64_t kb, int64_t blocks,
                               int64_t) {
     return q + (p * blocks + kb) * KP * NP;
@@ -239,11 +243,12 @@ struct PairCodes {
   using Code = int8_t;
   using Scale = float;
   // (N / 32, K / 2, 64) codes, (N / 32, K / 32, 32) scales: see the file comment.
-  static bool shape(ffi::Span<const int64_t> qd, int64_t& k, int64_t& n) {  // words
-    if (qd.size() != 3 || qd[2] != 2 * NP / 4) return false;
-    k = 2 * qd[1], n = qd[0] * NP;
-    return true;
+  // Layers stacked as (L N / 32, K / 2, 16) words.
+  static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
+    return qd.size() == 3 && qd[2] == 2 * NP / 4 && qd[1] == k / 2 && qd[0] % (n / NP) == 0
+               ? qd[0] / (n / NP) : 0;
   }
+  static int64_t per_layer(int64_t k, int64_t n) { return k * n; }  // codes
   static const int8_t* codes(const int8_t* q, int64_t p, int64_t kb, int64_t blocks, int64_t) {
     return q + (p * blocks + kb) * KP * 2 * NP;
   }
@@ -571,19 +576,28 @@ void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
     std::memcpy(pr.y + r * N + n0, acc.data() + r * NP, NP * sizeof(float));
 }
 
-// y = x @ w for codes stored as `Codes` (the file comment has both layouts).
+// y = x @ w for codes stored as `Codes` (the file comment has the layouts), w being layer
+// `layer` of the stack of layers that q, scale and min hold: the step reads a scanned model's
+// weights in place instead of slicing (copying) each layer's out of its stack.
 template <typename Codes>
 ffi::Error Matmul(ffi::ThreadPool pool, const float* x, ffi::Span<const int64_t> xd,
                   const typename Codes::Code* q, ffi::Span<const int64_t> qd,
                   const typename Codes::Scale* scale, size_t scale_count,
-                  const typename Codes::Scale* min, size_t min_count, float* y) {
-  int64_t k = 0, n = 0;
-  if (!Codes::shape(qd, k, n) || xd.size() != 2 || xd[1] != k || k % KB || n % NP ||
-      int64_t(scale_count) != k / KB * n || int64_t(min_count) != k / KB * n)
+                  const typename Codes::Scale* min, size_t min_count, int32_t layer, float* y,
+                  ffi::Span<const int64_t> yd) {
+  const int64_t k = xd.size() == 2 ? xd[1] : 0, n = yd.size() == 2 ? yd[1] : 0;
+  const int64_t stacked = k > 0 && k % KB == 0 && n > 0 && n % NP == 0 && yd[0] == xd[0]
+                              ? Codes::layers(qd, k, n) : 0;
+  const int64_t scales = k / KB * n;  // per layer
+  if (stacked == 0 || int64_t(scale_count) != stacked * scales ||
+      int64_t(min_count) != stacked * scales)
     return ffi::Error::InvalidArgument(
-        "block matmul: x must be (M, K) and q (K, N) (or the nibble or pair form, in uint32 "
-        "words (N / 32, K / 2, 8 or 16)), with K a multiple of 32, N of 32, and scale and min "
-        "K / 32 x N");
+        "block matmul: x must be (M, K) and y (M, N), with K a multiple of 32 and N of 32, q "
+        "L layers of (K, N) codes (the int8 form as (L K, N); the nibble or pair form in uint32 "
+        "words, (L N / 32, K / 2, 8 or 16)), and scale and min L layers of K / 32 x N");
+  if (layer < 0 || layer >= stacked)
+    return ffi::Error::InvalidArgument("block matmul: layer out of range");
+  q += layer * Codes::per_layer(k, n), scale += layer * scales, min += layer * scales;
   const int64_t m = xd[0], blocks = k / KB;
   if (m == 0) return ffi::Error::Success();
   thread_local QuantizedRows rows;
@@ -606,32 +620,35 @@ ffi::Error Matmul(ffi::ThreadPool pool, const float* x, ffi::Span<const int64_t>
 
 ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> min,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   return Matmul<Int8Codes>(pool, x.typed_data(), x.dimensions(), q.typed_data(),
                            q.dimensions(), scale.typed_data(), scale.element_count(),
-                           min.typed_data(), min.element_count(), y->typed_data());
+                           min.typed_data(), min.element_count(), layer.typed_data()[0],
+                           y->typed_data(), y->dimensions());
 }
 
 ffi::Error MatmulNibbles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::U32> q4, ffi::Buffer<ffi::U32> scale,
-                         ffi::Buffer<ffi::U32> min, ffi::ResultBuffer<ffi::F32> y) {
+                         ffi::Buffer<ffi::U32> min, ffi::Buffer<ffi::S32> layer,
+                         ffi::ResultBuffer<ffi::F32> y) {
   return Matmul<NibbleCodes>(
       pool, x.typed_data(), x.dimensions(), reinterpret_cast<const uint8_t*>(q4.untyped_data()),
       q4.dimensions(), reinterpret_cast<const uint16_t*>(scale.untyped_data()),
       2 * scale.element_count(), reinterpret_cast<const uint16_t*>(min.untyped_data()),
-      2 * min.element_count(), y->typed_data());
+      2 * min.element_count(), layer.typed_data()[0], y->typed_data(), y->dimensions());
 }
 
 ffi::Error MatmulPairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> q8,
                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> min,
-                       ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   return Matmul<PairCodes>(
       pool, x.typed_data(), x.dimensions(), reinterpret_cast<const int8_t*>(q8.untyped_data()),
       q8.dimensions(), scale.typed_data(), scale.element_count(), min.typed_data(),
-      min.element_count(), y->typed_data());
+      min.element_count(), layer.typed_data()[0], y->typed_data(), y->dimensions());
 }
 
-// The handlers' arguments: x, the codes (of type Q), scale and min (of type S); and y.
+// The handlers' arguments: x, the codes (of type Q), scale and min (of type S), the layer of
+// their stack to read (an int32 scalar); and y.
 template <ffi::DataType Q, ffi::DataType S>
 auto Binding() {
   return ffi::Ffi::Bind()
@@ -640,6 +657,7 @@ auto Binding() {
       .template Arg<ffi::Buffer<Q>>()  // codes
       .template Arg<ffi::Buffer<S>>()  // scale
       .template Arg<ffi::Buffer<S>>()  // min
+      .template Arg<ffi::Buffer<ffi::S32>>()  // layer
       .template Ret<ffi::Buffer<ffi::F32>>();  // y
 }
 

@@ -197,10 +197,13 @@ def test_projection_layouts(shape, contract, form):
                                   quant.dequantize_np({k: np.asarray(a) for k, a in held.items()}))
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["sliced", "in-place"])
 @pytest.mark.parametrize("form", ["int8", "nibbles", "pairs"])
-def test_inside_a_scan_over_stacked_layers(form):
+def test_inside_a_scan_over_stacked_layers(form, in_place):
     """Under lax.scan each iteration's weight is a slice of the stacks (the packed forms
-    packed with the layer axis as a batch axis, as the runner packs a scanned model's)."""
+    packed with the layer axis as a batch axis, as the runner packs a scanned model's), or,
+    in place, the stacks whole with the layer's index: the same numbers, and the program
+    slices (copies) nothing."""
     rng = np.random.default_rng(3)
     ws = [make_weight(rng, (64, 64), 0, "Q8_0" if form == "pairs" else "Q4_1")
           for _ in range(3)]
@@ -209,8 +212,15 @@ def test_inside_a_scan_over_stacked_layers(form):
         stacked = pack(stacked, batch_dims=1)
         assert (quant.is_nibbles if form == "nibbles" else quant.is_pairs)(stacked)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
-    got = jax.jit(lambda x, s: jax.lax.scan(
-        lambda x, w: (block_matmul(x, w, 1, (64, 64)), None), x, s)[0])(x, stacked)
+    if in_place:  # the index rides in the carry, so nothing at all is sliced per iteration
+        run = jax.jit(lambda x, s: jax.lax.scan(
+            lambda c, _: ((block_matmul(c[0], s, 1, (64, 64), c[1]), c[1] + 1), None),
+            (x, jnp.int32(0)), None, length=3)[0][0])
+        assert "dynamic-slice" not in run.lower(x, stacked).compile().as_text()
+    else:
+        run = jax.jit(lambda x, s: jax.lax.scan(
+            lambda x, w: (block_matmul(x, w, 1, (64, 64)), None), x, s)[0])
+    got = run(x, stacked)
     want = np.asarray(x, np.float64)
     for w in ws:
         want = want @ expanded(w, 1)
@@ -218,6 +228,14 @@ def test_inside_a_scan_over_stacked_layers(form):
     # cancel, so the bound is ~1e-4 of the result per product). The test is of the slicing: a
     # layer's product on another layer's weights would be off by the result's own size.
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-3 * np.abs(want).max())
+    for i, w in enumerate(ws):  # each layer of the stack alone, as the single weight gives it
+        one = in_form(w, form)[0]
+        np.testing.assert_array_equal(np.asarray(block_matmul(x, stacked, 1, (64, 64), i)),
+                                      np.asarray(block_matmul(x, one, 1, (64, 64))))
+    with pytest.raises(Exception, match="layer out of range"):
+        np.asarray(block_matmul(x, stacked, 1, (64, 64), jnp.int32(3)))
+    with pytest.raises(ValueError, match="cannot read a weight"):  # not a stack
+        block_matmul(x, in_form(ws[0], form)[0], 1, (64, 64), 0)
 
 
 def test_zero_rows():

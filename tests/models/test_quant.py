@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from models import quant
+from models.llama import LAYER_BLOCKS
 from models.loader import default_model_path, load_model
 from tests.models.test_loader import _write_tiny_gguf
 
@@ -135,14 +136,19 @@ def test_engine_on_kept_blocks_gives_the_float_weights_outputs(tiny_q4_gguf):
                                        atol=2e-3)
     assert expanded.runner.block_matmul is None
     assert (kept.runner.block_matmul is not None) == (jax.default_backend() == "cpu")
-    assert quant.is_quantized(kept.runner.params["layers"]["w_up"])
+    packed = kept.runner.block_matmul is not None
+    # The scanned step reads the kernel's stacks whole at each layer's index, held apart from
+    # the params each iteration slices (models/llama.py's split_layer_blocks).
+    held = kept.runner.params.get(LAYER_BLOCKS, {})
+    assert ("w_up" in held) == packed != ("w_up" in kept.runner.params["layers"])
+    kept_layers = {**kept.runner.params["layers"], **held}
+    assert quant.is_quantized(kept_layers["w_up"])
     assert not quant.is_quantized(expanded.runner.params["layers"]["w_up"])
     # The kernel reads Q4's codes two to a byte with float16 scales (0.625 bytes a weight);
     # the expanding step reads int8 codes with float32 ones (1.25).
-    packed = kept.runner.block_matmul is not None
-    assert quant.is_nibbles(kept.runner.params["layers"]["w_up"]) == packed
+    assert quant.is_nibbles(kept_layers["w_up"]) == packed
     nbytes = lambda p: sum(a.nbytes for a in jax.tree.leaves(p))  # noqa: E731
-    layers = kept.runner.params["layers"], expanded.runner.params["layers"]
+    layers = kept_layers, expanded.runner.params["layers"]
     assert nbytes(layers[0]["w_up"]) / nbytes(layers[1]["w_up"]) == (
         0.625 if packed else 1.25) / 4
     assert nbytes(layers[0]) < 0.4 * nbytes(layers[1])
