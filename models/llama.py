@@ -8,7 +8,8 @@ Two layer loops, same maths (`scan_layers`):
   The program is small and compiles fast. Each iteration slices its layer's params out of the
   stacks, which XLA:CPU does as a copy; the projections kept for the CPU block matmul are
   therefore held apart (`split_layer_blocks`), passed to every iteration whole, and read by the
-  kernel at the layer's index in place (at batch 1 the copies took about a third of a step).
+  kernel at the layer's index in place (the copies took ~6.7 ms of a thread per batch-1 step,
+  though mostly beside the matmuls: 16-sequence decode gained ~4%).
 - unrolled: L separate layers (`layers_0` ... params), each reading its own weight arrays in
   place. A bigger program: ~3x the compile time, ~1.1x faster decode steps on a CPU.
 `layout_params` turns the loader's stacked tree into either layout.
@@ -111,20 +112,17 @@ class DecoderLayer(nn.Module):
         through `block_matmul` when the weight is kept in blocks and it reads them, else as
         one dot on the expanded weight (one contraction: with two contracting dims XLA:CPU
         copies the weight every step). `stack`: the weight is layer `layer` of it."""
-        if stack is not None:
-            y = self.block_matmul(x, stack, contract, shape, layer)
-            if y is not None:
-                return y
-            w = dequantize(jax.tree.map(lambda a: a[layer], stack), self.dtype, shape)
-            return self.dot(x, w, shape, contract)
+        if stack is not None:  # held apart for the kernel (split_layer_blocks), which reads it
+            y = None if self.block_matmul is None else self.block_matmul(x, stack, contract,
+                                                                         shape, layer)
+            if y is None:
+                raise ValueError(f"{LAYER_BLOCKS} holds {name!r}, which no block matmul reads")
+            return y
         if self.block_matmul is not None and self.has_variable("params", name):
             y = self.block_matmul(x, self.get_variable("params", name), contract, shape, None)
             if y is not None:
                 return y
-        return self.dot(x, self.weight(name, shape), shape, contract)
-
-    @staticmethod
-    def dot(x: jax.Array, w: jax.Array, shape: tuple[int, ...], contract: int) -> jax.Array:
+        w = self.weight(name, shape)
         k = math.prod(shape[:contract])
         return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
 
