@@ -279,23 +279,6 @@ struct QuantizedRows {
   std::vector<float> xs, sx;
 };
 
-// Each lane rounded to the nearest integer, ties to even. (An add-and-subtract trick would let
-// the compiler fuse the product before it into an FMA and round differently.)
-inline v16 round_even(v16 v) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#elif defined(__AVX2__)
-  __m256 h[2];
-  std::memcpy(h, &v, sizeof h);
-  for (auto& x : h) x = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  std::memcpy(&v, h, sizeof h);
-  return v;
-#else
-  for (int i = 0; i < V; ++i) v[i] = std::nearbyint(v[i]);
-  return v;
-#endif
-}
-
 // Each block of 32 values of a row of x as int16 codes, its scale and its sum (see the file
 // comment). The largest magnitude and the sum reduce as a tree of halves, the same tree on
 // every path: (lanes i and i + 8 of the two 16-lane halves' combination), then 4, 2, 1.
@@ -334,6 +317,17 @@ void quantize_row(const float* x, int64_t k, int16_t* xq, float* xs, float* sx) 
   }
 }
 #else
+// Each lane rounded to the nearest integer, ties to even. (An add-and-subtract trick would let
+// the compiler fuse the product before it into an FMA and round differently.)
+inline v16 round_even(v16 v) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  for (int i = 0; i < V; ++i) v[i] = std::nearbyint(v[i]);
+  return v;
+#endif
+}
+
 template <typename Op>
 inline float reduce(v16 v, Op op) {
   typedef float v8f __attribute__((vector_size(32)));
