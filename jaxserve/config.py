@@ -275,16 +275,16 @@ class EngineConfig:
         # on bench.py's workload (SmolLM2-135M, CPU) the 1.5x sizes cut the decode steps' time
         # ~10% for ~30% more programs to compile once.
         mid = _midpoints(self.max_num_seqs)
-        tokens = self.token_buckets or _pow2_range(1, self.max_num_batched_tokens) + mid
-        seqs = self.seq_buckets or _pow2_range(1, self.max_num_seqs) + mid
-        blocks = self.block_buckets or _pow2_range(min(4, self.max_blocks_per_seq),
-                                                   self.max_blocks_per_seq)
         # A step in which every running sequence decodes is the commonest step of a loaded
         # server: its token count gets a bucket of its own, so max_num_seqs 12 does not run
         # those steps padded to 16 rows (measured, 12 sequences decoding on a 2-core CPU,
         # three interleaved rounds: 265-283 tok/s in their own bucket vs 205-239 padded).
-        tokens = tuple(sorted(set(tokens) | {self.max_num_batched_tokens}
-                              | ({self.max_num_seqs} if not self.token_buckets else set())))
+        tokens = self.token_buckets or (_pow2_range(1, self.max_num_batched_tokens) + mid
+                                        + (self.max_num_seqs,))
+        seqs = self.seq_buckets or _pow2_range(1, self.max_num_seqs) + mid
+        blocks = self.block_buckets or _pow2_range(min(4, self.max_blocks_per_seq),
+                                                   self.max_blocks_per_seq)
+        tokens = tuple(sorted(set(tokens) | {self.max_num_batched_tokens}))
         seqs = tuple(sorted(set(seqs) | {self.max_num_seqs}))
         blocks = tuple(sorted(set(blocks) | {self.max_blocks_per_seq}))
         return tokens, seqs, blocks

@@ -75,11 +75,12 @@ def test_default_buckets_add_the_decode_midpoints_and_keep_one_seq_bucket_per_to
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
     tokens, seqs, _ = cfg.buckets()
     pow2 = {1 << i for i in range(10)}
-    assert set(tokens) == pow2 | set(mid) | {max_num_seqs}
+    decode_rows = pow2 | set(mid) | {max_num_seqs}
+    assert set(tokens) == decode_rows
     assert set(seqs) == {x for x in pow2 if x < max_num_seqs} | set(mid) | {max_num_seqs}
     for n in range(1, max_num_seqs + 1):  # a decode step of n sequences pads its tokens and
         padded = pick_bucket(tokens, n, "tokens")  # its sequences to the same rows, the
-        rows = min(x for x in pow2 | set(mid) | {max_num_seqs} if x >= n)  # fewest there are
+        rows = min(x for x in decode_rows if x >= n)  # fewest there are
         assert padded == rows and seq_bucket(seqs, padded) == rows
     # explicit buckets are taken as given (plus the limits)
     assert EngineConfig(max_num_seqs=64, token_buckets=(16, 64)).buckets()[0] == (16, 64, 512)
