@@ -37,11 +37,12 @@ from models.quant import dequantize, is_quantized, requantize_q8
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
-# (x (T, K), quantized weight, contracted axes, the weight's shape (K..., N...), layer) ->
-# (T, N...), or None where this weight is not one it reads (the step then expands it and runs
-# the dot). With a layer index (else None), the weight is a stack of layers' on axis 0.
-BlockMatmulFn = Callable[[jax.Array, dict, int, tuple[int, ...], jax.Array | None],
-                         jax.Array | None]
+# (x (T, K), quantized weights, contracted axes, the weights' shapes (K..., N...), layer) ->
+# [(T, N...) per weight] in one call, or None where these weights are not ones it reads in one
+# call (the step then takes them one at a time, and expands a weight it does not read and runs
+# the dot). With a layer index (else None), each weight is a stack of layers' on axis 0.
+BlockMatmulFn = Callable[[jax.Array, list[dict], int, list[tuple[int, ...]], jax.Array | None],
+                         list[jax.Array] | None]
 LAYER_BLOCKS = "layer_blocks"  # a scanned model's block-matmul weights: split_layer_blocks()
 
 
@@ -82,14 +83,11 @@ class DecoderLayer(nn.Module):
         d, n, kh, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size)
 
-        def project(x, name, shape, contract=1):
-            stack = None if stacks is None else stacks.get(name)
-            return self.project(x, name, shape, contract, stack, layer)
+        def project(x, group, contract=1):
+            return self.project(x, group, contract, stacks, layer)
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x)
-        q = project(y, "wq", (d, n, h))
-        k = project(y, "wk", (d, kh, h))
-        v = project(y, "wv", (d, kh, h))
+        q, k, v = project(y, (("wq", (d, n, h)), ("wk", (d, kh, h)), ("wv", (d, kh, h))))
         if cfg.attention_bias:
             q = q + self.param("bq", nn.initializers.zeros, (n, h), dt)
             k = k + self.param("bk", nn.initializers.zeros, (kh, h), dt)
@@ -98,30 +96,52 @@ class DecoderLayer(nn.Module):
 
         k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
         attn = self.attn_fn(q, k_pages, v_pages, layer, md)  # (T, N, H)
-        x = x + project(attn.reshape(attn.shape[0], n * h), "wo", (n, h, d), 2)
+        (o,) = project(attn.reshape(attn.shape[0], n * h), (("wo", (n, h, d)),), 2)
+        x = x + o
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
-        gate = project(y, "w_gate", (d, f))
-        up = project(y, "w_up", (d, f))
-        x = x + project(nn.silu(gate) * up, "w_down", (f, d))
-        return (x, k_pages, v_pages, layer + 1), None
+        gate, up = project(y, (("w_gate", (d, f)), ("w_up", (d, f))))
+        (down,) = project(nn.silu(gate) * up, (("w_down", (f, d)),))
+        return (x + down, k_pages, v_pages, layer + 1), None
 
-    def project(self, x: jax.Array, name: str, shape: tuple[int, ...], contract: int = 1,
-                stack: dict | None = None, layer: jax.Array | None = None) -> jax.Array:
+    def project(self, x: jax.Array, group: tuple[tuple[str, tuple[int, ...]], ...],
+                contract: int = 1, stacks: dict | None = None,
+                layer: jax.Array | None = None) -> list[jax.Array]:
+        """x (T, prod(shape[:contract])) @ each weight (name, shape) of `group` ->
+        [(T, *shape[contract:])]: all in one `block_matmul` call where the weights are kept in
+        blocks it reads (it then scales x once for the group), else one at a time (project_one).
+        `stacks`: weights held apart as every layer's stack, read at layer `layer`."""
+        held = [stacks is not None and name in stacks for name, _ in group]
+        if self.block_matmul is not None and len(set(held)) == 1:
+            ws = [stacks[name] if apart else
+                  self.get_variable("params", name) if self.has_variable("params", name) else None
+                  for (name, _), apart in zip(group, held, strict=True)]
+            if all(w is not None for w in ws):
+                ys = self.block_matmul(x, ws, contract, [shape for _, shape in group],
+                                       layer if held[0] else None)
+                if ys is not None:
+                    return ys
+        return [self.project_one(x, name, shape, contract,
+                                 None if stacks is None else stacks.get(name), layer)
+                for name, shape in group]
+
+    def project_one(self, x: jax.Array, name: str, shape: tuple[int, ...], contract: int = 1,
+                    stack: dict | None = None, layer: jax.Array | None = None) -> jax.Array:
         """x (T, prod(shape[:contract])) @ weight `name` of `shape` -> (T, *shape[contract:]):
         through `block_matmul` when the weight is kept in blocks and it reads them, else as
         one dot on the expanded weight (one contraction: with two contracting dims XLA:CPU
         copies the weight every step). `stack`: the weight is layer `layer` of it."""
         if stack is not None:  # held apart for the kernel (split_layer_blocks), which reads it
-            y = None if self.block_matmul is None else self.block_matmul(x, stack, contract,
-                                                                         shape, layer)
-            if y is None:
+            ys = None if self.block_matmul is None else self.block_matmul(x, [stack], contract,
+                                                                          [shape], layer)
+            if ys is None:
                 raise ValueError(f"{LAYER_BLOCKS} holds {name!r}, which no block matmul reads")
-            return y
+            return ys[0]
         if self.block_matmul is not None and self.has_variable("params", name):
-            y = self.block_matmul(x, self.get_variable("params", name), contract, shape, None)
-            if y is not None:
-                return y
+            ys = self.block_matmul(x, [self.get_variable("params", name)], contract, [shape],
+                                   None)
+            if ys is not None:
+                return ys[0]
         w = self.weight(name, shape)
         k = math.prod(shape[:contract])
         return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
@@ -179,10 +199,10 @@ def lm_logits(cfg: ModelConfig, x: jax.Array, params: dict,
     """Final hidden states (N, D) -> logits (N, V) float32: through `block_matmul` on the
     params' HEAD_BLOCKS where both are there, else a dot with head_weight()."""
     if block_matmul is not None and HEAD_BLOCKS in params:
-        logits = block_matmul(x, params[HEAD_BLOCKS], 1, (cfg.hidden_size, cfg.vocab_size),
-                              None)
+        logits = block_matmul(x, [params[HEAD_BLOCKS]], 1,
+                              [(cfg.hidden_size, cfg.vocab_size)], None)
         if logits is not None:
-            return logits
+            return logits[0]
     spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"
     return jnp.einsum(spec, x, head_weight(cfg, params), preferred_element_type=jnp.float32)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kernels import cpu_matmul
-from kernels.cpu_matmul import block_matmul, block_matmul_or_none, fits, pack
+from kernels.cpu_matmul import block_matmul, block_matmul_group, block_matmul_or_none, fits, pack
 from models import quant
 from models.config import ModelConfig
 from models.llama import HEAD_BLOCKS, head_blocks, lm_logits
@@ -240,6 +240,51 @@ def test_inside_a_scan_over_stacked_layers(form, in_place):
         block_matmul(x, in_form(ws[0], form)[0], 1, (64, 64), 0)
 
 
+@pytest.mark.parametrize("form", ["int8", "nibbles", "pairs"])
+def test_a_group_gives_each_weight_its_own_product(form):
+    """One call for several weights that multiply the same x (a layer's q, k and v): each y,
+    bit for bit, what the weight's own call gives, at rows taken either way, for weights alone
+    and for stacks read in place at a layer."""
+    rng = np.random.default_rng(12)
+    kind = "Q8_0" if form == "pairs" else "Q4_1"
+    shapes = ((128, 96), (128, 32), (128, 64))
+    ws = [in_form(make_weight(rng, s, 0, kind), form)[0] for s in shapes]
+    layers = [[make_weight(rng, s, 0, kind) for _ in range(2)] for s in shapes]
+    stacks = [jax.tree.map(lambda *a: np.stack([np.asarray(b) for b in a]), *ls)
+              for ls in layers]
+    if form != "int8":
+        stacks = [pack(st, batch_dims=1) for st in stacks]
+    run = jax.jit(block_matmul_group, static_argnums=(2, 3))
+    for rows in (1, 5, 16):
+        x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.float32)
+        for y, w, s in zip(run(x, ws, 1, shapes), ws, shapes, strict=True):
+            assert y.shape == (rows, s[1])
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(block_matmul(x, w, 1, s)))
+        got = run(x, stacks, 1, shapes, jnp.int32(1))
+        for y, ls, s in zip(got, layers, shapes, strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(y), np.asarray(block_matmul(x, in_form(ls[1], form)[0], 1, s)))
+
+
+def test_what_a_group_does_not_read():
+    """A group's weights must be in one form and contract the same K, one shape each; the
+    model's fallback (block_matmul_or_none) declines such a group instead."""
+    rng = np.random.default_rng(13)
+    nibbles = in_form(make_weight(rng, (64, 64), 0), "nibbles")[0]
+    pairs = in_form(make_weight(rng, (64, 64), 0, "Q8_0"), "pairs")[0]
+    wide = in_form(make_weight(rng, (128, 64), 0), "nibbles")[0]
+    x = jnp.ones((2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="in one form"):
+        block_matmul_group(x, [nibbles, pairs], 1, [(64, 64), (64, 64)])
+    assert block_matmul_or_none(x, [nibbles, pairs], 1, [(64, 64), (64, 64)]) is None
+    with pytest.raises(ValueError, match="contract different sizes"):
+        block_matmul_group(x, [nibbles, wide], 1, [(64, 64), (128, 64)])
+    with pytest.raises(ValueError, match="one shape per weight"):
+        block_matmul_group(x, [nibbles, nibbles], 1, [(64, 64)])
+    with pytest.raises(ValueError, match="one shape per weight"):
+        block_matmul_group(x, [], 1, [])
+
+
 def test_zero_rows():
     w = make_weight(np.random.default_rng(0), (32, 32), 0)
     assert block_matmul(jnp.zeros((0, 32), jnp.float32), w).shape == (0, 32)
@@ -254,8 +299,9 @@ def test_what_it_does_not_read():
     x = jnp.ones((2, 64), jnp.float32)
     assert not fits(odd, 1) and not fits(across, 1)
     assert fits(make_weight(rng, (64, 64), 0), 1)
-    assert block_matmul_or_none(x, odd) is None
-    assert block_matmul_or_none(x.astype(jnp.bfloat16), make_weight(rng, (64, 64), 0)) is None
+    assert block_matmul_or_none(x, [odd]) is None
+    assert block_matmul_or_none(x, [make_weight(rng, (64, 64), 0), odd]) is None
+    assert block_matmul_or_none(x.astype(jnp.bfloat16), [make_weight(rng, (64, 64), 0)]) is None
     with pytest.raises(ValueError, match="cannot read a weight"):
         block_matmul(x, odd)
     with pytest.raises(ValueError, match=r"x of shape \(M, 64\)"):
