@@ -45,6 +45,15 @@ class ModelConfig:
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
 
+    @property
+    def projection_weights(self) -> int:
+        """How many weights each token's row multiplies by in the layers' projections (q, k,
+        v, o, gate, up, down): one multiply-add each. (The head's hidden_size x vocab_size
+        come on top, for the rows that produce logits.)"""
+        d, n, kh, h, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                          self.intermediate_size)
+        return self.num_layers * (2 * d * n * h + 2 * d * kh * h + 3 * d * f)
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers `PretrainedConfig` or a config.json dict."""

@@ -1,9 +1,13 @@
-"""How far a decode step is from the machine: the steady decode step time next to the time it
-takes, in the same process, to stream the model's weights from memory once.
-
-A decode step has to read every weight at least once, so that read is its floor on a machine
-whose compute outruns its memory (small batches); the ratio says how much of a step is
-something else (compute-bound matmuls at larger batches, attention, sampling, overheads).
+"""How far a decode step is from the machine: the steady decode step time next to two floors,
+both measured in the same process:
+- memory: the time to stream the model's weights once. A decode step reads every weight at
+  least once, so that read bounds it where compute outruns memory (small batches);
+- arithmetic: the time the step's multiply-adds (its rows through the projections and the
+  head) take at the fastest rate a float32 matmul reaches here. It bounds a step whose rows
+  are many enough that the multiplies outlast the read (on a 2-core AVX2 CPU, from ~5 rows of
+  the default model on).
+The ratios say how much of a step is something else (attention, sampling, small-matmul
+inefficiency, overheads).
 """
 
 from __future__ import annotations
@@ -54,6 +58,25 @@ def weight_stream_seconds(params, repeats: int = 9) -> float:
     return best
 
 
+def matmul_rate(repeats: int = 9, size: int = 1024) -> float:
+    """Multiply-adds per second of XLA's float32 matmul on a (size, size) square, the fastest
+    of `repeats`: the rate the machine's multiply units give this process. (The CPU kernel's
+    integer products run at about the same rate per instruction slot: AVX2's vpmaddwd and two
+    float FMAs are 16 multiply-adds a cycle each on the CPUs measured.)"""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((size, size), jnp.float32)
+    dot = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(dot(a, a))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(dot(a, a))
+        best = min(best, time.perf_counter() - t0)
+    return size ** 3 / best
+
+
 def params_bytes(params) -> int:
     import jax
 
@@ -84,18 +107,27 @@ def steady_decode_step(step_trace) -> tuple[float, tuple[int, int, int], int] | 
 
 
 def decode_vs_floor(engine) -> dict | None:
-    """The steady decode step of `engine`'s trace against its weight-streaming floor."""
+    """The steady decode step of `engine`'s trace against its weight-streaming floor and its
+    arithmetic floor: the bucket's token rows (padding included) through the layers'
+    projections and its logits rows through the head, at matmul_rate(). Attention's products
+    (a few % at these contexts) are left out."""
     steady = steady_decode_step(engine.step_trace or [])
     if steady is None:
         return None
     step_s, bucket, n = steady
-    params = streamed_params(engine.runner.params,
-                             engine.runner.model_config.tie_word_embeddings)
+    cfg = engine.runner.model_config
+    params = streamed_params(engine.runner.params, cfg.tie_word_embeddings)
     floor_s = weight_stream_seconds(params)
     nbytes = params_bytes(params)
+    tokens, logits_rows = bucket[:2]
+    macs = tokens * cfg.projection_weights + logits_rows * cfg.hidden_size * cfg.vocab_size
+    rate = matmul_rate()
     return {"decode_step_s": step_s, "decode_bucket": list(bucket), "decode_steps": n,
             "weight_stream_s": floor_s, "weight_bytes": nbytes,
-            "weight_stream_gb_per_s": nbytes / floor_s / 1e9, "step_over_floor": step_s / floor_s}
+            "weight_stream_gb_per_s": nbytes / floor_s / 1e9, "step_over_floor": step_s / floor_s,
+            "step_multiply_adds": macs, "matmul_rate": rate, "arithmetic_s": macs / rate,
+            "step_over_arithmetic": step_s * rate / macs,
+            "step_over_both": step_s / max(floor_s, macs / rate)}
 
 
 def format_floor(f: dict | None) -> str:
@@ -104,4 +136,9 @@ def format_floor(f: dict | None) -> str:
     return (f"steady decode step {f['decode_step_s'] * 1e3:.1f} ms (median of {f['decode_steps']}"
             f" steps, bucket {tuple(f['decode_bucket'])}) vs weight-streaming floor "
             f"{f['weight_stream_s'] * 1e3:.1f} ms ({f['weight_bytes'] / 1e6:.0f} MB at "
-            f"{f['weight_stream_gb_per_s']:.1f} GB/s): {f['step_over_floor']:.2f}x")
+            f"{f['weight_stream_gb_per_s']:.1f} GB/s): {f['step_over_floor']:.2f}x; vs "
+            f"arithmetic floor {f['arithmetic_s'] * 1e3:.1f} ms "
+            f"({f['step_multiply_adds'] / 1e9:.2f} G multiply-adds at "
+            f"{f['matmul_rate'] / 1e9:.0f} G/s, float32 matmul): "
+            f"{f['step_over_arithmetic']:.2f}x; over the larger floor: "
+            f"{f['step_over_both']:.2f}x")
