@@ -109,10 +109,11 @@ class DecoderLayer(nn.Module):
                 layer: jax.Array | None = None) -> list[jax.Array]:
         """x (T, prod(shape[:contract])) @ each weight (name, shape) of `group` ->
         [(T, *shape[contract:])]: all in one `block_matmul` call where the weights are kept in
-        blocks it reads (it then scales x once for the group), else one at a time (project_one).
+        blocks it reads (it then scales x once for the group), else (and for a group of one) one
+        at a time (project_one).
         `stacks`: weights held apart as every layer's stack, read at layer `layer`."""
         held = [stacks is not None and name in stacks for name, _ in group]
-        if self.block_matmul is not None and len(set(held)) == 1:
+        if self.block_matmul is not None and len(group) > 1 and len(set(held)) == 1:
             ws = [stacks[name] if apart else
                   self.get_variable("params", name) if self.has_variable("params", name) else None
                   for (name, _), apart in zip(group, held, strict=True)]
