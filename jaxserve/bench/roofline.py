@@ -47,14 +47,22 @@ def weight_stream_seconds(params, repeats: int = 9) -> float:
 
     reads = (sum_floats, sum_words,
              lambda a: (sum_words if a.dtype.itemsize == 4 else sum_floats)(a))
+    return min(fastest(jax.jit(lambda p, read=read: sum(read(a) for a in jax.tree.leaves(p))),
+                       (params,), repeats)
+               for read in reads)
+
+
+def fastest(fn, args: tuple, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of fn(*args) to their results, after one
+    call that compiles it."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
     best = float("inf")
-    for read in reads:
-        read_all = jax.jit(lambda p, read=read: sum(read(a) for a in jax.tree.leaves(p)))
-        jax.block_until_ready(read_all(params))
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(read_all(params))
-            best = min(best, time.perf_counter() - t0)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
@@ -67,14 +75,7 @@ def matmul_rate(repeats: int = 9, size: int = 1024) -> float:
     import jax.numpy as jnp
 
     a = jnp.ones((size, size), jnp.float32)
-    dot = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(dot(a, a))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(dot(a, a))
-        best = min(best, time.perf_counter() - t0)
-    return size ** 3 / best
+    return size ** 3 / fastest(jax.jit(lambda a, b: a @ b), (a, a), repeats)
 
 
 def params_bytes(params) -> int:
