@@ -123,6 +123,33 @@ def _form(w: Mapping) -> tuple[str, list[str]]:
     return TARGET, ["q", "scale", "min"]
 
 
+def _shapes(ws: Sequence[Mapping], shapes, stacked: bool) -> list:
+    """One shape per weight of `ws`: as given, else (where None) the int8 form's own."""
+    shapes = [None] * len(ws) if shapes is None else list(shapes)
+    if not ws or len(shapes) != len(ws):
+        raise ValueError(f"block_matmul_group needs one shape per weight, got {len(ws)} "
+                         f"weights and {len(shapes)} shapes")
+    return [tuple(w["q"].shape[int(stacked):])
+            if s is None and isinstance(w, Mapping) and "q" in w else s
+            for w, s in zip(ws, shapes, strict=True)]
+
+
+def _unread(ws: Sequence[Mapping], contract: int, shapes: list, stacked: bool) -> str | None:
+    """Why the kernel cannot read the weights `ws` of `shapes` in one call, or None. (The
+    model asks of float weights too: not quantized dicts.)"""
+    for w, shape in zip(ws, shapes, strict=True):
+        if not fits(w, contract, shape, stacked):
+            planes = ({k: (a.shape, a.dtype.name) for k, a in w.items()}
+                      if isinstance(w, Mapping) else type(w).__name__)
+            return (f"block_matmul cannot read a weight of planes {planes} as "
+                    f"{'a stack of ' if stacked else ''}shape {shape} contracted over "
+                    f"{contract} axes")
+    targets = [_form(w)[0] for w in ws]
+    if len(set(targets)) != 1:
+        return f"block_matmul_group needs its weights in one form, got {targets}"
+    return None
+
+
 def block_matmul_group(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
                        shapes: Sequence[tuple[int, ...] | None] | None = None,
                        layer: jax.Array | int | None = None) -> list[jax.Array]:
@@ -131,22 +158,10 @@ def block_matmul_group(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
     separate calls would each scale x and wait for the helper threads (a layer's q, k and v,
     or its gate and up, at a few rows). The weights must be in one form."""
     stacked = layer is not None
-    shapes = [None] * len(ws) if shapes is None else list(shapes)
-    if not ws or len(shapes) != len(ws):
-        raise ValueError(f"block_matmul_group needs one shape per weight, got {len(ws)} "
-                         f"weights and {len(shapes)} shapes")
-    shapes = [tuple(w["q"].shape[int(stacked):]) if s is None and "q" in w else s
-              for w, s in zip(ws, shapes, strict=True)]
-    for w, shape in zip(ws, shapes, strict=True):
-        if not fits(w, contract, shape, stacked):
-            raise ValueError(f"block_matmul cannot read a weight of planes "
-                             f"{ {k: (a.shape, a.dtype.name) for k, a in w.items()} } as "
-                             f"{'a stack of ' if stacked else ''}shape {shape} contracted "
-                             f"over {contract} axes")
-    forms = [_form(w) for w in ws]
-    if len({target for target, _ in forms}) != 1:
-        raise ValueError(f"block_matmul_group needs its weights in one form, got "
-                         f"{[target for target, _ in forms]}")
+    shapes = _shapes(ws, shapes, stacked)
+    why = _unread(ws, contract, shapes, stacked)
+    if why:
+        raise ValueError(why)
     why = available()
     if why:
         raise ValueError(f"the cpu block matmul kernel cannot run: {why}")
@@ -160,6 +175,7 @@ def block_matmul_group(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
             for s in shapes]
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     # Layers (if any) merge into the planes' first axis: the kernel takes L layers' worth.
+    forms = [_form(w) for w in ws]
     planes = []
     for w, (_, names), out in zip(ws, forms, outs, strict=True):
         if quant.is_packed(w):  # planes already as the kernel reads them
@@ -175,10 +191,9 @@ def block_matmul_or_none(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
                          layer: jax.Array | int | None = None) -> list[jax.Array] | None:
     """block_matmul_group where x and every w are what it reads, in one form, else None
     (models/llama.py's BlockMatmulFn: the step then expands the weights and runs the dots)."""
-    shapes = [None] * len(ws) if shapes is None else list(shapes)
-    stacked = layer is not None
-    if (x.dtype != jnp.float32 or not ws
-            or not all(fits(w, contract, s, stacked) for w, s in zip(ws, shapes, strict=True))
-            or len({_form(w)[0] for w in ws}) != 1):
+    if x.dtype != jnp.float32 or not ws:
+        return None
+    shapes = _shapes(ws, shapes, layer is not None)
+    if _unread(ws, contract, shapes, layer is not None):
         return None
     return block_matmul_group(x, ws, contract, shapes, layer)
