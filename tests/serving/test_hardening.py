@@ -267,6 +267,16 @@ def _health_rtts(srv, stop: threading.Event, out: list[float]) -> None:
             time.sleep(0.01)
 
 
+def _assert_loop_responsive(rtts: np.ndarray) -> None:
+    """Most health checks answered within 50 ms. A stalled event loop slows nearly every sample
+    (tokenizing one ~1 MB prompt on it takes ~0.6 s, and the attacks send dozens); a few slow
+    samples are this test process's own threads and the other test worker holding the
+    machine's few cores (on two cores, one CI run saw three samples at 38-79 ms), hence the 90th
+    percentile rather than the slowest."""
+    assert len(rtts) >= 20
+    assert np.percentile(rtts, 90) <= 0.050, np.percentile(rtts, [50, 90, 99])
+
+
 def _with_bystander(srv, attack) -> np.ndarray:
     stop, rtts = threading.Event(), []
     t = threading.Thread(target=_health_rtts, args=(srv, stop, rtts))
@@ -306,8 +316,7 @@ def test_big_inputs_are_refused_without_stalling_the_loop(server):
     print(f"{len(answers)} refused; health p50/p99 ms", np.percentile(rtts, [50, 99]) * 1e3)
     assert len(answers) >= 16 and len(answers) % 4 == 0
     assert all(a["type"] == "error" and a["code"] == "limit_exceeded" for a in answers)
-    assert len(rtts) >= 20
-    assert np.percentile(rtts, 99) <= 0.050, np.percentile(rtts, [50, 99])
+    _assert_loop_responsive(rtts)
 
 
 def test_health_stays_fast_under_full_load(server):
@@ -324,5 +333,4 @@ def test_health_stays_fast_under_full_load(server):
 
     rtts = _with_bystander(server, load)
     print("health under load p50/p99 ms", np.percentile(rtts, [50, 99]) * 1e3)
-    assert len(rtts) >= 20
-    assert np.percentile(rtts, 99) <= 0.050, np.percentile(rtts, [50, 99])
+    _assert_loop_responsive(rtts)
