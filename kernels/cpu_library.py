@@ -30,7 +30,24 @@ TARGETS = {
     "jaxserve_block_matmul_q4": "BlockMatmulQ4",
     "jaxserve_block_matmul_q8": "BlockMatmulQ8",
 }
-FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-w")
+# -ffp-contract=off: a product and a sum fuse into an FMA only where the source says so, never
+# by the compiler's choice per call site, which could round a row differently in two code paths.
+FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno",
+         "-ffp-contract=off", "-w")
+# The instruction sets a build may use, named by $JAXSERVE_CPU_ISA: all this CPU has, or fewer
+# (turned off on top of -march=native), so that one machine runs the paths of CPUs with less:
+# AVX2 without AVX-512, and no AVX2 (the portable loops). Where the CPU lacks a set already, the
+# build is its own path again.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
+ISA_ENV = "JAXSERVE_CPU_ISA"
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The flags of the build that $JAXSERVE_CPU_ISA names (native when unset)."""
+    name = os.environ.get(ISA_ENV) or "native"
+    if name not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}; got {name!r}")
+    return ISA_FLAGS[name]
 
 
 def sources() -> list[str]:
@@ -48,8 +65,8 @@ def compiler() -> str | None:
 
 def build(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
     """Compile the kernels (or find them already compiled) -> the shared library's path.
-    `extra_flags` follow FLAGS (tests build the paths of CPUs with fewer instructions with
-    them, e.g. -mno-avx512f)."""
+    `extra_flags` follow FLAGS (ISA_FLAGS' sets, for the paths of CPUs with fewer
+    instructions)."""
     flags = (*FLAGS, *extra_flags)
     files = sources()
     texts = []
@@ -89,7 +106,7 @@ def library():
     if cxx is None:
         return "no C++ compiler found (set CXX, or install g++ or clang++)"
     try:
-        return load(build(cxx))
+        return load(build(cxx, isa_flags()))
     except (OSError, RuntimeError) as e:
         return str(e)
 

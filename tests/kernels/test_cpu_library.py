@@ -14,11 +14,10 @@ from kernels import cpu_library
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
 
 
-# The kernels' paths for CPUs with fewer instructions than this one, built by turning sets off
-# on top of -march=native: AVX2 without AVX-512, and no AVX2 (the portable loops). CI's CPU may
-# have AVX-512, so its own build never runs the others; the kernels' tests run them against
-# their references. Where this CPU lacks a set already, the build is its own path again.
-FEWER = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
+# The kernels' paths for CPUs with fewer instructions than this one (cpu_library.ISA_FLAGS):
+# CI's CPU may have AVX-512, so its own build never runs the others; the kernels' tests run
+# them against their references.
+FEWER = {name: flags for name, flags in cpu_library.ISA_FLAGS.items() if flags}
 
 
 @functools.cache
