@@ -369,12 +369,23 @@ void quantize_row(const float* x, int64_t k, int16_t* xq, float* xs, float* sx) 
 // A row's sums c0, c1 (the panel's two halves of 16 columns) += one block's contribution, from
 // its int32 sums a0, a1, the block's column scales and minima, and the row's x_scale and x_sum
 // (see the file comment). Both ways call this, so they round alike.
+// Its products and sums are spelled out as FMAs where the CPU has them (and the library is
+// built with -ffp-contract=off), so no compiler pairs them differently in the two ways.
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
+}
+
 inline void fold(v16& c0, v16& c1, i16x a0, i16x a1, v16 s0, v16 s1, v16 m0, v16 m1,
                  float x_scale, float x_sum) {
-  c0 += __builtin_convertvector(a0, v16) * (s0 * x_scale);
-  c1 += __builtin_convertvector(a1, v16) * (s1 * x_scale);
-  c0 += m0 * x_sum;
-  c1 += m1 * x_sum;
+  const v16 xs = v16{} + x_scale, sx = v16{} + x_sum;
+  c0 = fmadd(__builtin_convertvector(a0, v16), s0 * xs, c0);
+  c1 = fmadd(__builtin_convertvector(a1, v16), s1 * xs, c1);
+  c0 = fmadd(m0, sx, c0);
+  c1 = fmadd(m1, sx, c1);
 }
 
 #if HALF_WIDTH
