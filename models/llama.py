@@ -33,6 +33,7 @@ from kernels.kv_write import write_kv
 from kernels.metadata import AttentionMetadata
 from kernels.reference import ragged_paged_attention_reference
 from models.config import ModelConfig, rope_inv_freq
+from models.ordered import ordered_sum
 from models.quant import dequantize, is_quantized, requantize_q8
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
@@ -54,7 +55,8 @@ class RMSNorm(nn.Module):
     def __call__(self, x):  # (T, D)
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        mean_square = ordered_sum(x32 * x32, keepdims=True) / x.shape[-1]  # batch-invariant
+        x32 = x32 * jax.lax.rsqrt(mean_square + self.eps)
         return w * x32.astype(self.dtype)
 
 

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from models import ordered
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +75,9 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
     def from_candidates():
         cand, _ = jax.lax.top_k(scaled, c)  # (S, C), descending
         in_cand = (si.top_k > 0) & (si.top_k <= c)
-        top_k_norm = jax.nn.logsumexp(jnp.where(jnp.arange(c)[None, :] < k[:, None], cand,
+        top_k_norm = ordered.logsumexp(jnp.where(jnp.arange(c)[None, :] < k[:, None], cand,
                                                 -jnp.inf), axis=-1)
-        log_norm = jnp.where(in_cand, top_k_norm, jax.nn.logsumexp(scaled, axis=-1))
+        log_norm = jnp.where(in_cand, top_k_norm, ordered.logsumexp(scaled, axis=-1))
         threshold, probs = _threshold(cand, k, log_norm[:, None], si.top_p)
         no_filter = (si.top_k == 0) & (si.top_p >= 1)
         # With top-k off, the next token after the candidates has all their mass before it,
@@ -87,7 +89,7 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
     def from_sort():
         desc = -jnp.sort(-scaled, axis=-1)  # (S, V)
         masked = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
-        return _threshold(desc, k, jax.nn.logsumexp(masked, axis=-1, keepdims=True),
+        return _threshold(desc, k, ordered.logsumexp(masked, axis=-1, keepdims=True),
                           si.top_p)[0]
 
     threshold, ok = from_candidates()
@@ -122,7 +124,7 @@ def logprobs_of(raw: jax.Array | Callable[[], jax.Array], tokens: jax.Array, wan
     n = tokens.shape[0]
 
     def compute():
-        logp = jax.nn.log_softmax(raw() if callable(raw) else raw, axis=-1)
+        logp = ordered.log_softmax(raw() if callable(raw) else raw, axis=-1)
         chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
         return chosen, top_ids.astype(jnp.int32), top_lp
@@ -185,7 +187,7 @@ def prompt_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array,
     t = targets.shape[0]
 
     def compute():
-        logp = jax.nn.log_softmax(logits_fn(hidden), axis=-1)  # (T, V)
+        logp = ordered.log_softmax(logits_fn(hidden), axis=-1)  # (T, V)
         target = jnp.maximum(targets, 0)[:, None]
         chosen = jnp.take_along_axis(logp, target, axis=-1)  # (T, 1)
         ranks = 1 + jnp.sum(logp > chosen, axis=-1, dtype=jnp.int32)

@@ -42,6 +42,7 @@ from jaxserve.runtime.sampling import (
     sampling_logits,
 )
 from kernels.metadata import AttentionMetadata
+from models import ordered
 
 # (draft kv, input ids (R,), metadata of R rows, want logits) -> (draft kv, logits (R, V)
 # float32, or None when not wanted)
@@ -103,7 +104,7 @@ def verify(x: jax.Array, idx: jax.Array, first: jax.Array, spec: SpecInputs,
             want_logprobs=si.want_logprobs)
         filtered = sampling_logits(processed().reshape(s * k1, v), flat_si,
                                    None if min_p is None else per_pos(min_p))
-        logp = jax.nn.log_softmax(filtered, axis=-1)  # (S*K1, V)
+        logp = ordered.log_softmax(filtered, axis=-1)  # (S*K1, V)
         d = drafts.reshape(-1)
         p_draft = jnp.exp(jnp.take_along_axis(logp, d[:, None], axis=-1)[:, 0])
         keys = jax.vmap(jax.random.split)(row_keys(flat_si))  # (S*K1, 2)
