@@ -9,8 +9,10 @@ MMAs that read their operands from shared memory.
 warpgroup MMA's M) hold `64 // G` query tokens of one sequence times the G query heads that
 share the kv head: row r is token r // G, head r % G (kernels/metadata.py, shared with the
 Triton-lowered kernel). A decode step of one sequence fills G rows, and each page is read once
-per kv head. A tile's rows are contiguous in the folded queries, so one bulk copy loads them,
-and its output goes to its own slot, so no store is ragged.
+per kv head. The wrapper gathers each tile's query rows into a slot of its own, so one bulk copy
+loads them from row 0: a copy into shared memory tiled by 8 rows must start on a multiple of 8,
+and a tile's first folded row, (start + row0) * G, often is not (G = 3: a decode's is 3 * its
+row). Its output goes to its own slot likewise, so no store is ragged.
 
 **Page walk.** A step of the loop covers `pages_per_step` pages (`pages_per_step * B` keys, the
 MMA's N for QK^T and K for PV); each page is a (B, H) box of the pool, found through the block
@@ -50,9 +52,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.metadata import (
     AttentionMetadata,
     check_attention_inputs,
-    fold_queries,
     folded_tiles,
     tile_extent,
+    tile_queries,
     unfold_tiles,
 )
 
@@ -85,7 +87,7 @@ def _kernel(
     ctx_ref,  # (S,) int32: context length after this step
     bt_ref,  # (S, MB) int32: block tables
     layer_ref,  # (1,) int32: which layer of the pool to read
-    q_ref,  # (K, T * G + 64, H): queries folded per kv head, padded by one tile
+    q_ref,  # (K, NT, 64, H): each tile's queries, folded (row: token * G + head)
     k_ref,  # (L, P, B, K, H)
     v_ref,  # (L, P, B, K, H)
     o_ref,  # (K, NT, 64, H): each tile's rows
@@ -147,8 +149,7 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(v_ref.at[layer, blk, :, kh, :], v_smem.at[slot, rows_p],
                                         v_bar.at[slot])
 
-        plgpu.copy_gmem_to_smem(q_ref.at[kh, pl.ds((x.start + x.row0) * groups, rows)],
-                                q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[kh, tile], q_smem, q_bar)
         for i in range(num_stages):  # fill the ring
             pl.when(i < num_steps)(functools.partial(fetch, i, i))
         plgpu.barrier_wait(q_bar)
@@ -264,5 +265,6 @@ def ragged_paged_attention_mosaic(
                   interpret=interpret)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
-               fold_queries(q, kv_heads, TILE_ROWS), k_pages, v_pages)  # (K, NT, 64, H)
+               tile_queries(q, md, tile_seq, tile_row, kv_heads, TILE_ROWS), k_pages,
+               v_pages)  # (K, NT, 64, H)
     return unfold_tiles(out, md, tokens, groups)
