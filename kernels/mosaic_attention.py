@@ -30,6 +30,10 @@ aliased in and out) would save one pass over those rows, T * K * H * 2 values pe
 is small next to the pages a step reads; whether it pays is a GPU measurement this kernel has
 not had yet.
 
+Lowering semantics are pinned to warpgroup (JAX 0.11's default; 0.10's was lane): its layout
+inference refuses a bulk copy into tiled shared memory that it cannot prove starts on a tile
+boundary, where lane semantics lower one that reads the wrong rows.
+
 Constraints: bfloat16 or float16 (the MMA's input types), head_dim a multiple of 64 (the 128-byte
 swizzle), G <= 64, block size a multiple of 8 dividing `pages_per_step * B` <= 256.
 
@@ -59,6 +63,8 @@ from kernels.metadata import (
 )
 
 TILE_ROWS = 64  # a warpgroup MMA's M: the query rows (token x head) of one program
+# Pinned, not inherited: JAX 0.11 changed Mosaic GPU's default from lane to warpgroup semantics.
+LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
 _LOG2E = math.log2(math.e)
 
 
@@ -227,6 +233,7 @@ def _build(num_tiles: int, kv_heads: int, head_dim: int, dtype, *, groups: int, 
         ),
         grid=(num_tiles, kv_heads),
         grid_names=("tile", "kv"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=LOWERING_SEMANTICS),
         interpret=_interpret_params() if interpret else None,
     )
 
