@@ -1,7 +1,7 @@
 """Attention kernels against the jnp reference: Pallas in interpret mode on the CPU (the Triton
 lowering's kernel in Pallas' interpreter, the Mosaic GPU kernel in Pallas' GPU interpreter, which
-simulates shared memory, bulk copies and barriers), Triton on GPUs; the GPU kernels lowered or
-compiled for a CUDA target without a GPU.
+simulates shared memory, bulk copies and barriers), Triton on GPUs; the Triton kernel compiled for
+a CUDA target without a GPU (the Pallas kernels' lowering for CUDA: test_gpu_lowering.py).
 
 Tolerances: float32 inputs, |error| <= 2e-5; bfloat16 inputs (both sides read the same bf16 pages
 and queries and accumulate in float32; outputs are rounded to bf16, whose step is 2**-6 at
@@ -176,16 +176,6 @@ def test_tile_queries_put_each_tile_at_row_zero_of_its_slot(groups):
             np.testing.assert_array_equal(got[kh, i, :r.size], qn[token, kh * groups + head])
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_mosaic_kernel_lowers_for_hopper_without_a_gpu(dtype):
-    """The GPU path: warpgroup MMAs, bulk copies and register layouts lower to a Mosaic GPU
-    custom call for sm_90a (the architecture lowering takes when no GPU is attached)."""
-    q, k, v, md, _ = make_case(0, MIXED, kv_heads=2, groups=3, dtype=dtype, head_dim=64)
-    f = jax.jit(lambda q, k, v, md: ragged_paged_attention_mosaic(q, k, v, LAYER, md))
-    text = f.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
-    assert "custom_call @mosaic_gpu" in text
-
-
 def test_mosaic_refuses_what_it_cannot_run():
     q, k, v, md, _ = make_case(0, [(3, 5)], kv_heads=2, groups=2, dtype="float32", head_dim=64)
     with pytest.raises(ValueError, match="dtype must be bfloat16 or float16"):
@@ -266,15 +256,6 @@ def test_gpu_kernels_match_reference(backend, dtype):
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
     got = fn(q, k, v, LAYER, md)
     assert_close(got, want, t, dtype)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_pallas_kernel_lowers_for_cuda_without_a_gpu(dtype):
-    """The GPU path: the same kernel lowers through Pallas' Triton backend for a CUDA target."""
-    q, k, v, md, _ = make_case(0, MIXED, kv_heads=2, groups=3, dtype=dtype)
-    f = jax.jit(lambda q, k, v, md: ragged_paged_attention(q, k, v, LAYER, md))
-    text = f.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text and 'name = "ragged_paged_attention"' in text
 
 
 def run_triton_interpreted(dtype: str, groups: int) -> None:
