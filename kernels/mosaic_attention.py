@@ -126,7 +126,7 @@ def _kernel(
             a = a[...] if hasattr(a, "at") else a
             b = b_ref[...]
             return jnp.dot(a, b.T if transpose_b else b, preferred_element_type=jnp.float32)
-        b_ref = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+        b_ref = b_ref.transpose((1, 0)) if transpose_b else b_ref
 
         def scope(acc_ref):
             plgpu.wgmma(acc_ref, a, b_ref)
