@@ -139,6 +139,20 @@ def folded_tiles(md: AttentionMetadata, num_rows: int, tokens: int):
     return (num_tiles, *query_tiles(md.query_start_loc, num_tiles, tokens))
 
 
+def tile_queries(q: jax.Array, md: AttentionMetadata, tile_seq: jax.Array, tile_row: jax.Array,
+                 kv_heads: int, rows: int) -> jax.Array:
+    """(T, K * G, H) -> (K, tiles, rows, H): each tile's folded query rows in its own slot,
+    so a kernel copies a tile from row 0 (a bulk copy into tiled shared memory must start on a
+    tile boundary; a tile's first folded row, (start + row0) * G, often does not). Rows past
+    the step's queries, and those of unused tiles, repeat the last row: never read back."""
+    t, n, h = q.shape
+    groups = n // kv_heads
+    folded = q.reshape(t, kv_heads, groups, h).transpose(1, 0, 2, 3).reshape(kv_heads, -1, h)
+    first = (md.query_start_loc[tile_seq] + jnp.minimum(tile_row, t)) * groups  # (NT,)
+    idx = jnp.minimum(first[:, None] + jnp.arange(rows, dtype=jnp.int32), t * groups - 1)
+    return folded[:, idx]  # (K, NT, rows, H)
+
+
 def unfold_tiles(out: jax.Array, md: AttentionMetadata, tokens: int, groups: int) -> jax.Array:
     """(K, tiles, rows, H) per-tile outputs -> (T, K * G, H), each row from its own tile."""
     kv_heads, num_tiles, _, h = out.shape

@@ -9,8 +9,10 @@ MMAs that read their operands from shared memory.
 warpgroup MMA's M) hold `64 // G` query tokens of one sequence times the G query heads that
 share the kv head: row r is token r // G, head r % G (kernels/metadata.py, shared with the
 Triton-lowered kernel). A decode step of one sequence fills G rows, and each page is read once
-per kv head. A tile's rows are contiguous in the folded queries, so one bulk copy loads them,
-and its output goes to its own slot, so no store is ragged.
+per kv head. The wrapper gathers each tile's query rows into a slot of its own, so one bulk copy
+loads them from row 0: a copy into shared memory tiled by 8 rows must start on a multiple of 8,
+and a tile's first folded row, (start + row0) * G, often is not (G = 3: a decode's is 3 * its
+row). Its output goes to its own slot likewise, so no store is ragged.
 
 **Page walk.** A step of the loop covers `pages_per_step` pages (`pages_per_step * B` keys, the
 MMA's N for QK^T and K for PV); each page is a (B, H) box of the pool, found through the block
@@ -27,6 +29,10 @@ other backends. Fusing it (TMA stores of the step's new K/V rows into their page
 aliased in and out) would save one pass over those rows, T * K * H * 2 values per layer, which
 is small next to the pages a step reads; whether it pays is a GPU measurement this kernel has
 not had yet.
+
+Lowering semantics are pinned to warpgroup (JAX 0.11's default; 0.10's was lane): its layout
+inference refuses a bulk copy into tiled shared memory that it cannot prove starts on a tile
+boundary, where lane semantics lower one that reads the wrong rows.
 
 Constraints: bfloat16 or float16 (the MMA's input types), head_dim a multiple of 64 (the 128-byte
 swizzle), G <= 64, block size a multiple of 8 dividing `pages_per_step * B` <= 256.
@@ -50,13 +56,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels.metadata import (
     AttentionMetadata,
     check_attention_inputs,
-    fold_queries,
     folded_tiles,
     tile_extent,
+    tile_queries,
     unfold_tiles,
 )
 
 TILE_ROWS = 64  # a warpgroup MMA's M: the query rows (token x head) of one program
+# Pinned, not inherited: JAX 0.11 changed Mosaic GPU's default from lane to warpgroup semantics.
+LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
 _LOG2E = math.log2(math.e)
 
 
@@ -85,7 +93,7 @@ def _kernel(
     ctx_ref,  # (S,) int32: context length after this step
     bt_ref,  # (S, MB) int32: block tables
     layer_ref,  # (1,) int32: which layer of the pool to read
-    q_ref,  # (K, T * G + 64, H): queries folded per kv head, padded by one tile
+    q_ref,  # (K, NT, 64, H): each tile's queries, folded (row: token * G + head)
     k_ref,  # (L, P, B, K, H)
     v_ref,  # (L, P, B, K, H)
     o_ref,  # (K, NT, 64, H): each tile's rows
@@ -118,7 +126,7 @@ def _kernel(
             a = a[...] if hasattr(a, "at") else a
             b = b_ref[...]
             return jnp.dot(a, b.T if transpose_b else b, preferred_element_type=jnp.float32)
-        b_ref = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+        b_ref = b_ref.transpose((1, 0)) if transpose_b else b_ref
 
         def scope(acc_ref):
             plgpu.wgmma(acc_ref, a, b_ref)
@@ -147,8 +155,7 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(v_ref.at[layer, blk, :, kh, :], v_smem.at[slot, rows_p],
                                         v_bar.at[slot])
 
-        plgpu.copy_gmem_to_smem(q_ref.at[kh, pl.ds((x.start + x.row0) * groups, rows)],
-                                q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[kh, tile], q_smem, q_bar)
         for i in range(num_stages):  # fill the ring
             pl.when(i < num_steps)(functools.partial(fetch, i, i))
         plgpu.barrier_wait(q_bar)
@@ -226,6 +233,7 @@ def _build(num_tiles: int, kv_heads: int, head_dim: int, dtype, *, groups: int, 
         ),
         grid=(num_tiles, kv_heads),
         grid_names=("tile", "kv"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=LOWERING_SEMANTICS),
         interpret=_interpret_params() if interpret else None,
     )
 
@@ -264,5 +272,6 @@ def ragged_paged_attention_mosaic(
                   interpret=interpret)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
-               fold_queries(q, kv_heads, TILE_ROWS), k_pages, v_pages)  # (K, NT, 64, H)
+               tile_queries(q, md, tile_seq, tile_row, kv_heads, TILE_ROWS), k_pages,
+               v_pages)  # (K, NT, 64, H)
     return unfold_tiles(out, md, tokens, groups)
