@@ -261,11 +261,12 @@ def _short(e: Exception) -> str:
 
 
 def run(candidates: Sequence, *, dtype, head_dim: int, groups: int, block_size: int,
-        kv_heads: int = 2, kv_dtype=None, use_cache: bool = True) -> SelfTest:
+        kv_heads: int = 2, kv_dtype=None, reuse: bool = True) -> SelfTest:
     """Self-test `candidates` (backend names or `Candidate`s) at a model's shapes and choose.
 
     `kv_dtype`: the pool's dtype where kv_cache_dtype makes it other than `dtype`. Candidates
-    that do not pass are warned about, with why; the result is cached (see the module doc)."""
+    that do not pass are warned about, with why. The result is cached (see the module doc);
+    `reuse=False` tests again whatever the cache holds, and caches the new result."""
     if not candidates:
         raise ValueError("candidates: give at least one backend to test")
     platform = jax.default_backend()
@@ -281,8 +282,8 @@ def run(candidates: Sequence, *, dtype, head_dim: int, groups: int, block_size: 
            "platform_version": dev.client.platform_version, "jax": jax.__version__,
            "jaxlib": jaxlib.__version__, "kernels": _digest(), "kv_heads": kv_heads,
            "candidates": names, **shapes}
-    path = cache_path(key) if use_cache else None
-    cached = _load(path, key)
+    path = cache_path(key)
+    cached = _load(path, key) if reuse else None
     if cached is not None:
         log.info("attention_backend auto: %s (self-test cached in %s)", cached.chosen, path)
         return cached

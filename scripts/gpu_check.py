@@ -99,9 +99,10 @@ def check_selftest(dry_run: bool, heads: dict) -> list[dict]:
                   else selftest.CANDIDATES.get(jax.default_backend(), ("xla",)))
     rows = []
     for dtype in ("bfloat16", "float32"):
+        # tested afresh; the result is cached, so the engine section's start reads it
         result = selftest.run(candidates, dtype=dtype, head_dim=heads["head_dim"],
                               groups=heads["groups"], kv_heads=heads["kv_heads"],
-                              block_size=16, use_cache=False)
+                              block_size=16, reuse=False)
         say(f"  {dtype}: chose {result.chosen}")
         for t in result.trials:
             say(f"    {t.describe()}")

@@ -79,7 +79,7 @@ def test_the_fastest_that_passes_is_chosen():
     """The GPU's candidates, tried here: mosaic and triton cannot run on a CPU and say why;
     pallas (interpreted) and xla both pass, and the faster is chosen."""
     with pytest.warns(UserWarning) as caught:
-        result = selftest.run(selftest.CANDIDATES["gpu"], **SHAPES, use_cache=False)
+        result = selftest.run(selftest.CANDIDATES["gpu"], **SHAPES, reuse=False)
     said = [str(w.message) for w in caught]
     assert any("'mosaic'" in m and "Hopper" in m for m in said), said
     assert any("'triton'" in m and "unavailable" in m for m in said), said
