@@ -124,9 +124,11 @@ class EngineConfig:
                            "each step dequantizes them exactly before its matmuls, so outputs "
                            "are those of the float weights; none: expand them at load")
     attention_backend: AttentionBackend = option(
-        AttentionBackend.AUTO, "paged attention kernel (auto: on a GPU the first of "
-                               "mosaic (Hopper), triton, pallas that can run, with a warning "
-                               "for each passed over; xla elsewhere)")
+        AttentionBackend.AUTO, "paged attention kernel (auto: on a GPU the fastest of "
+                               "mosaic, triton, pallas and xla that passes a self-test on the "
+                               "device, cached per device, JAX version, shapes and dtype, "
+                               "with a warning for each passed over; on a CPU cpu where it "
+                               "builds, else xla)")
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
     seed: int = option(0, "engine seed for requests that bring none")
     enable_step_trace: bool = option(

@@ -9,20 +9,30 @@
 | triton | GPU with jax-triton | Triton kernel through `jax_triton.triton_call` |
 | pallas | GPU; CPU in interpret mode (slow: for tests) | Pallas kernel, Triton lowering |
 
-`auto` on a CPU is cpu where it can run (else xla, with a warning saying why), and xla on other
-platforms without a GPU kernel. On a GPU it takes the first of mosaic, triton, pallas that can run
-with this JAX, device and model (the order of expected speed; Pallas' Triton lowering is
-deprecated since JAX 0.11), warns for each one it passes over and why, and falls back to xla
-(with a warning) rather than failing. This module imports jax only when a backend is selected,
-so configuration code can name backends without loading jax.
+`auto` on a GPU is decided on the device (kernels/selftest.py): each of mosaic, triton, pallas
+and xla that can run with this JAX, device and model is compiled, checked against the reference
+on a mixed ragged batch at the model's shapes and dtype, and timed on a decode and a mixed batch;
+the fastest that passes is used, each one passed over is warned about with its reason, xla is
+the last resort, and the result is cached per device kind, JAX version, shapes and dtype. On a
+CPU auto is cpu where it can run (else xla, with a warning saying why); on other platforms xla.
+Under auto, a step program that fails to compile for the kernel's sake falls back once, with a
+warning, to `Choice.fallback` (the next that passed, else xla; runtime/runner.py). A backend
+named explicitly that cannot run fails at engine start. This module imports jax only when a
+backend is chosen, so configuration code can name backends without loading jax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kernels.selftest import SelfTest
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +45,6 @@ class AttentionBackend(enum.StrEnum):
     MOSAIC = "mosaic"
     TRITON = "triton"
     PALLAS = "pallas"
-
-
-GPU_ORDER = (AttentionBackend.MOSAIC, AttentionBackend.TRITON, AttentionBackend.PALLAS)
 
 
 def unavailable(backend: AttentionBackend, *, dtype=None, head_dim: int | None = None,
@@ -89,71 +96,109 @@ def unavailable(backend: AttentionBackend, *, dtype=None, head_dim: int | None =
     return mosaic_attention.supports(dtype, head_dim, groups, block_size)
 
 
-def select_attention(name: str | AttentionBackend, **shapes):
-    """Return (backend, attention fn) for `name`; fail now, not mid-request. `shapes`: the
-    model's dtype, head_dim, groups (query heads per kv head) and block_size, which some
-    kernels constrain (see `unavailable`)."""
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What the engine runs: a backend (a test candidate's name where it is not a backend),
+    its attention function, and under `auto` the one backend a step program that fails to
+    compile for the kernel's sake falls back to; the self-test where one ran."""
+
+    backend: AttentionBackend | str
+    fn: Callable
+    fallback: AttentionBackend | None = None
+    selftest: SelfTest | None = None
+
+
+def attention_fn(backend: AttentionBackend | str) -> Callable:
+    """The attention function of `backend` (checked by `unavailable`, not here)."""
     import jax
 
+    backend = AttentionBackend(backend)
+    if backend is AttentionBackend.REFERENCE:
+        from kernels.reference import ragged_paged_attention_reference
+
+        return ragged_paged_attention_reference
+    if backend is AttentionBackend.CPU:
+        from kernels.cpu_attention import ragged_paged_attention_cpu
+
+        return ragged_paged_attention_cpu
+    if backend is AttentionBackend.XLA:
+        from kernels.xla_attention import ragged_paged_attention_xla
+
+        return ragged_paged_attention_xla
+    if backend is AttentionBackend.MOSAIC:
+        from kernels.mosaic_attention import ragged_paged_attention_mosaic
+
+        return ragged_paged_attention_mosaic
+    if backend is AttentionBackend.PALLAS:
+        from kernels.pallas_attention import ragged_paged_attention
+
+        # On a CPU the kernel body runs in Pallas' interpreter: correct, slow, for testing.
+        return functools.partial(ragged_paged_attention,
+                                 interpret=jax.default_backend() == "cpu")
+    if backend is AttentionBackend.TRITON:
+        from kernels import triton_attention
+
+        return triton_attention.ragged_paged_attention_triton
+    raise ValueError("attention_backend auto names no one function: choose_attention() "
+                     "resolves it")
+
+
+def choose_attention(name: str | AttentionBackend, *, kv_heads: int = 2, **shapes) -> Choice:
+    """Resolve `name` (auto included) for a model of these shapes; fail now, not mid-request.
+    `shapes`: the model's dtype, head_dim, groups (query heads per kv head), block_size and
+    kv_dtype (see `unavailable`); `kv_heads` sizes the self-test's batches."""
     try:
         backend = AttentionBackend(name)
     except ValueError:
         raise ValueError(f"attention_backend must be one of "
                          f"{', '.join(b.value for b in AttentionBackend)}; got {name!r}") from None
-    platform = jax.default_backend()
-    if backend is AttentionBackend.AUTO:
-        backend = _auto(platform, shapes)
-    else:
+    if backend is not AttentionBackend.AUTO:
         why = unavailable(backend, **shapes)
         if why:
             raise ValueError(f"attention_backend {backend.value!r} cannot run here: {why}")
-    if backend is AttentionBackend.REFERENCE:
-        from kernels.reference import ragged_paged_attention_reference
+        return Choice(backend, attention_fn(backend))
+    import jax
 
-        return backend, ragged_paged_attention_reference
-    if backend is AttentionBackend.CPU:
-        from kernels.cpu_attention import ragged_paged_attention_cpu
+    from kernels import selftest
 
-        return backend, ragged_paged_attention_cpu
-    if backend is AttentionBackend.XLA:
-        from kernels.xla_attention import ragged_paged_attention_xla
+    platform = jax.default_backend()
+    candidates = selftest.CANDIDATES.get(platform)
+    if candidates is None:
+        backend = _fixed_rule(platform, shapes)
+        fallback = None if backend is AttentionBackend.XLA else AttentionBackend.XLA
+        return Choice(backend, attention_fn(backend), fallback)
+    missing = [f for f in ("dtype", "head_dim", "groups", "block_size") if shapes.get(f) is None]
+    if missing:
+        raise ValueError(f"attention_backend auto: the self-test needs the model's "
+                         f"{', '.join(missing)}")
+    result = selftest.run(candidates, kv_heads=kv_heads, **shapes)
+    fns = {c.name: c.fn for c in candidates if isinstance(c, selftest.Candidate)}
+    chosen = result.chosen
+    # The next backend that passed, else xla; a test candidate is never a fallback.
+    fallback = next((AttentionBackend(n) for n in result.ranking[1:] if n not in fns),
+                    None if chosen == AttentionBackend.XLA else AttentionBackend.XLA)
+    if chosen in fns:
+        return Choice(chosen, fns[chosen], fallback, result)
+    chosen = AttentionBackend(chosen)
+    return Choice(chosen, attention_fn(chosen), fallback, result)
 
-        return backend, ragged_paged_attention_xla
-    if backend is AttentionBackend.MOSAIC:
-        from kernels.mosaic_attention import ragged_paged_attention_mosaic
 
-        return backend, ragged_paged_attention_mosaic
-    if backend is AttentionBackend.PALLAS:
-        from kernels.pallas_attention import ragged_paged_attention
-
-        # On a CPU the kernel body runs in Pallas' interpreter: correct, slow, for testing.
-        return backend, functools.partial(ragged_paged_attention, interpret=platform == "cpu")
-    from kernels import triton_attention
-
-    return backend, triton_attention.ragged_paged_attention_triton
+def select_attention(name: str | AttentionBackend, **shapes):
+    """(backend, attention fn) for `name`: `choose_attention` without the rest."""
+    choice = choose_attention(name, **shapes)
+    return choice.backend, choice.fn
 
 
-def _auto(platform: str, shapes: dict) -> AttentionBackend:
-    if platform == "cpu":
+def _fixed_rule(platform: str, shapes: dict) -> AttentionBackend:
+    """auto where no self-test runs: on a CPU the C++ kernel where it can run, else xla."""
+    if platform != "cpu":
+        choice = AttentionBackend.XLA
+    else:
         choice = AttentionBackend.CPU
         why = unavailable(choice, **shapes)
         if why:
             choice = AttentionBackend.XLA
             warnings.warn(f"attention_backend auto: passing over 'cpu': {why}; using 'xla' "
-                          "(plain jnp, slower)", stacklevel=3)
-    elif platform != "gpu":
-        choice = AttentionBackend.XLA
-    else:
-        for backend in GPU_ORDER:
-            why = unavailable(backend, **shapes)
-            if why is None:
-                choice = backend
-                break
-            warnings.warn(f"attention_backend auto: passing over {backend.value!r}: {why}",
-                          stacklevel=3)
-        else:
-            choice = AttentionBackend.XLA
-            warnings.warn("attention_backend auto: no GPU kernel can run here; using 'xla' "
-                          "(plain jnp), which is much slower on a GPU", stacklevel=3)
+                          "(plain jnp, slower)", stacklevel=4)
     log.info("attention_backend auto: %s on %s", choice.value, platform)
     return choice

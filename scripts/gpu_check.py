@@ -1,24 +1,28 @@
-"""One short, self-contained check for a machine with a GPU (under 5 minutes, no network).
+"""One short, self-contained check for a machine with a GPU (about 4 minutes, no network).
 
-    python scripts/gpu_check.py            # on a GPU
-    python scripts/gpu_check.py --dry-run  # on a CPU: interpreters, tiny shapes
+    python scripts/gpu_check.py                 # a random bf16 model of SmolLM2-135M's shapes
+    python scripts/gpu_check.py --model PATH    # the engine section on a real model
+    python scripts/gpu_check.py --dry-run       # on a CPU: interpreters, tiny shapes
 
-1. Correctness: every attention backend that can run here (a missing one is reported with its
-   reason) against the jnp reference, on a mixed batch (prefill chunks and decodes, shuffled
-   block tables), in each dtype it takes (float32, bfloat16, float16).
-2. Kernel timing: median of repeated runs per backend at decode and mixed shapes, with achieved
-   bandwidth (bytes of K/V, Q and output the attention must move, over time) and its fraction of
-   the device's peak HBM bandwidth.
-3. Engine: the compiled decode step time on the default model in bf16 at batch 1, 32 and 256,
-   with the backend `auto` chose.
-4. End to end: `scripts/bench.py` at its defaults in bf16, output tok/s.
+1. Self-test: `auto`'s choice (kernels/selftest.py) at the engine model's head shapes in
+   bfloat16 and float32: each candidate's pass or fail (with why) and its times.
+2. Correctness: every backend x dtype x head shape against the float32 reference on a mixed
+   ragged batch (prefill chunks and decodes over shuffled pages); a skipped one says why.
+3. Kernel timing: every backend x dtype x batch (decode and mixed), median time per call in one
+   program, achieved bandwidth and its fraction of the device's peak.
+4. Engine: at 1, 32 and 256 sequences, the decode step program's time alone, the decode step
+   time inside `LLM.generate` end to end (the host's share is the difference), and HF
+   transformers' `generate` on the same device and prompts as a peer.
 
-The last line printed is one JSON object with all of it (also written to --json).
+Each section runs on its own: one that fails is reported with its traceback and the next runs.
+Every line is flushed as it is printed, and the JSON report (--json) is written after every
+section; the last line printed is that report.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import os
@@ -26,21 +30,30 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# JAX takes 75% of the GPU at start by default; torch's peer needs room of its own.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve.testing.ragged import ragged_metadata  # noqa: E402
-from kernels import AttentionBackend, select_attention, unavailable  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.mosaic_attention import ragged_paged_attention_mosaic, supports  # noqa: E402
-from kernels.reference import ragged_paged_attention_reference  # noqa: E402
+from kernels import AttentionBackend, attention_fn, selftest, unavailable  # noqa: E402
 
+say = functools.partial(print, flush=True)
 PEAK_HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e11}
+BACKENDS = [b for b in AttentionBackend if b is not AttentionBackend.AUTO]
+DTYPES = ("float32", "bfloat16", "float16")
+# SmolLM2-135M (the default model): a Llama of 30 layers, 9 query / 3 kv heads of 64.
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+               rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2)
+TINY = SMOLLM2 | dict(vocab_size=1024, hidden_size=192, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1)
 
 
 def peak_bandwidth() -> float | None:
@@ -48,221 +61,402 @@ def peak_bandwidth() -> float | None:
     return next((v for k, v in PEAK_HBM_BYTES_S.items() if k in kind), None)
 
 
-def make_batch(seqs, kv_heads, groups, head_dim, dtype, block_size=16, seed=0, layers=2):
-    """seqs: (query rows, context length) per sequence. Returns (q, k, v, layer, md, tokens).
-    Tensors are drawn on the device: the large shapes do not fit a host round trip quickly."""
-    md, num_tokens, pages = ragged_metadata(seqs, block_size, seed)
-    n = kv_heads * groups
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(k1, (md.positions.shape[0], n, head_dim), jnp.float32).astype(dtype)
-    shape = (layers, pages, block_size, kv_heads, head_dim)
-    k = jax.random.normal(k2, shape, jnp.float32).astype(dtype)
-    v = jax.random.normal(k3, shape, jnp.float32).astype(dtype)
-    return q, k, v, jnp.int32(layers - 1), md, num_tokens
+def backend_fns(dry_run: bool) -> tuple[dict, dict]:
+    """(name -> attention fn, name -> why it cannot run here at all)."""
+    fns, missing = {}, {}
+    for b in BACKENDS:
+        why = unavailable(b)
+        if why and dry_run and b is AttentionBackend.MOSAIC:  # Pallas' GPU interpreter
+            from kernels.mosaic_attention import ragged_paged_attention_mosaic
+
+            fns[b.value] = functools.partial(ragged_paged_attention_mosaic, interpret=True)
+        elif why:
+            missing[b.value] = why
+        else:
+            fns[b.value] = attention_fn(b)
+    return fns, missing
 
 
-def attention_bytes(seqs, kv_heads, groups, head_dim, itemsize) -> int:
+def skip_reason(name: str, missing: dict, dtype: str, kv_heads: int, groups: int,
+                head_dim: int) -> str | None:
+    """Why `name` cannot take these shapes here, or None (mosaic's limits are checked
+    without a GPU: the dry run interprets it)."""
+    if name in missing:
+        return missing[name]
+    if name == AttentionBackend.MOSAIC:
+        from kernels.mosaic_attention import supports
+
+        return supports(dtype, head_dim, groups, 16)
+    return unavailable(AttentionBackend(name), dtype=dtype, head_dim=head_dim, groups=groups,
+                       block_size=16)
+
+
+# --------------------------------------------------------------------------------- sections
+
+
+def check_selftest(dry_run: bool, heads: dict) -> list[dict]:
+    candidates = (("pallas", "cpu", "xla") if dry_run
+                  else selftest.CANDIDATES.get(jax.default_backend(), ("xla",)))
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        # tested afresh; the result is cached, so the engine section's start reads it
+        result = selftest.run(candidates, dtype=dtype, head_dim=heads["head_dim"],
+                              groups=heads["groups"], kv_heads=heads["kv_heads"],
+                              block_size=16, reuse=False)
+        say(f"  {dtype}: chose {result.chosen}")
+        for t in result.trials:
+            say(f"    {t.describe()}")
+        rows.append({"dtype": dtype, **result.to_json()})
+    return rows
+
+
+def check_correctness(fns: dict, missing: dict, dry_run: bool) -> list[dict]:
+    shapes = {"K1 G3 H64": (1, 3, 64)} if dry_run else {
+        "K3 G3 H64": (3, 3, 64), "K8 G4 H128": (8, 4, 128), "K8 G1 H128": (8, 1, 128)}
+    rows = []
+    for label, (kv_heads, groups, head_dim) in shapes.items():
+        for dtype in DTYPES:
+            q, k, v, layer, md, t = selftest.make_batch(selftest.CHECK_BATCH, kv_heads, groups,
+                                                        head_dim, jnp.dtype(dtype))
+            for name in [b.value for b in BACKENDS]:
+                row = {"backend": name, "dtype": dtype, "shape": label}
+                why = skip_reason(name, missing, dtype, kv_heads, groups, head_dim)
+                if why:
+                    rows.append(row | {"skipped": why})
+                    say(f"  {name:>9} {dtype:>8} {label:>11}: skipped ({why})")
+                    continue
+                try:
+                    err, ok = selftest.max_error(jax.jit(fns[name]), q, k, v, layer, md, t,
+                                                 dtype)
+                except Exception as e:  # noqa: BLE001 - a kernel that fails is a finding
+                    rows.append(row | {"error": short(e), "ok": False})
+                    say(f"  {name:>9} {dtype:>8} {label:>11}: error {short(e)}")
+                    continue
+                rows.append(row | {"max_abs_err": err, "ok": ok})
+                say(f"  {name:>9} {dtype:>8} {label:>11}: {err:.3e} {'ok' if ok else 'FAIL'} "
+                    f"(tol {selftest.TOLERANCE[dtype]})")
+    return rows
+
+
+def attention_bytes(seqs, kv_heads: int, groups: int, head_dim: int, itemsize: int) -> int:
     kv = sum(c for _, c in seqs) * kv_heads * head_dim * 2 * itemsize
     qo = sum(q for q, _ in seqs) * kv_heads * groups * head_dim * 2 * itemsize
     return kv + qo
 
 
-def timed(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def backends_here(dry_run: bool) -> tuple[dict, dict]:
-    """(name -> attention fn, name -> why it cannot run here)."""
-    out, missing = {}, {}
-    for name in (b.value for b in AttentionBackend if b is not AttentionBackend.AUTO):
-        try:
-            out[name] = select_attention(name)[1]
-        except ValueError as e:
-            if dry_run and name == AttentionBackend.MOSAIC:  # Pallas' GPU interpreter
-                out[name] = functools.partial(ragged_paged_attention_mosaic, interpret=True)
-                continue
-            missing[name] = str(e)
-            print(f"  backend {name}: skipped ({e})")
-    return out, missing
-
-
-def takes(name: str, dtype, head_dim: int, groups: int, block_size: int = 16) -> bool:
-    """Whether a backend handles these shapes (mosaic's limits are checked without a GPU: the
-    dry run interprets it)."""
-    if name == AttentionBackend.MOSAIC:
-        return supports(dtype, head_dim, groups, block_size) is None
-    return unavailable(AttentionBackend(name), dtype=dtype, head_dim=head_dim, groups=groups,
-                       block_size=block_size) is None
-
-
-def check_correctness(backends, dry_run: bool) -> list[dict]:
-    print("== correctness vs reference (max abs error)")
-    seqs = [(1, 1), (1, 17), (7, 40), (17, 33), (33, 64), (65, 65), (2, 81)]
-    rows = []
-    for dtype, tol in (("float32", 2e-5), ("bfloat16", 2e-2), ("float16", 4e-3)):
-        q, k, v, layer, md, t = make_batch(seqs, 2, 3, 64, jnp.dtype(dtype))
-        want = ragged_paged_attention_reference(q, k, v, layer, md).astype(jnp.float32)
-        for name, fn in backends.items():
-            if not takes(name, dtype, 64, 3):
-                continue
-            try:
-                got = fn(q, k, v, layer, md).astype(jnp.float32)
-                err = float(jnp.max(jnp.abs(got[:t] - want[:t])))
-            except Exception as e:  # a kernel that fails to compile or run is a finding
-                rows.append({"backend": name, "dtype": dtype, "error": repr(e)[:500],
-                             "ok": False})
-                print(f"  {name:>9} {dtype:>8}: error {type(e).__name__}: {e}")
-                continue
-            ok = err <= tol
-            rows.append({"backend": name, "dtype": dtype, "max_abs_err": err, "ok": ok})
-            print(f"  {name:>9} {dtype:>8}: {err:.3e} {'ok' if ok else 'FAIL'} (tol {tol})")
-    return rows
-
-
-def time_kernels(backends, dry_run: bool) -> list[dict]:
-    print("== kernel timing (median), achieved bandwidth")
+def time_kernels(fns: dict, missing: dict, dry_run: bool) -> list[dict]:
     peak = peak_bandwidth()
     if dry_run:
-        shapes = {"decode b4 ctx64": [(1, 64)] * 4, "mixed": [(1, 48)] * 3 + [(32, 32)]}
-        kv_heads, groups, head_dim, repeats = 1, 2, 64, 2
-        backends = {k: v for k, v in backends.items() if k != "reference"} | {
-            "reference": backends["reference"]}
+        batches = {"decode b4 ctx64": [(1, 64)] * 4, "mixed": [(1, 48)] * 3 + [(32, 32)]}
+        (kv_heads, groups, head_dim), repeats, inner = (1, 2, 64), 1, 1
     else:
-        shapes = {"decode b32 ctx2048": [(1, 2048)] * 32,
-                  "decode b256 ctx1024": [(1, 1024)] * 256,
-                  "mixed 64 decodes + 512 prefill": [(1, 1024)] * 64 + [(512, 512)]}
-        kv_heads, groups, head_dim, repeats = 8, 4, 128, 20
+        batches = {"decode b32 ctx2048": [(1, 2048)] * 32,
+                   "decode b256 ctx1024": [(1, 1024)] * 256,
+                   "mixed 64 decodes + 512 prefill": [(1, 1024)] * 64 + [(512, 512)]}
+        (kv_heads, groups, head_dim), repeats, inner = (8, 4, 128), 5, 10
     rows = []
-    dtype = jnp.bfloat16
-    for label, seqs in shapes.items():
-        q, k, v, layer, md, _ = make_batch(seqs, kv_heads, groups, head_dim, dtype)
-        nbytes = attention_bytes(seqs, kv_heads, groups, head_dim, 2)
-        for name, fn in backends.items():
-            if not takes(name, dtype, head_dim, groups):
-                continue
-            f = jax.jit(fn)
-            args = (q, k, v, layer, md)
-            try:
-                dt = timed(lambda f=f, args=args: f(*args), repeats)
-            except Exception as e:  # report and go on: one backend failing is a finding
-                print(f"  {label:>32} {name:>9}: error {type(e).__name__}: {e}")
-                continue
-            bw = nbytes / dt
-            frac = bw / peak if peak else float("nan")
-            rows.append({"shape": label, "backend": name, "median_s": dt, "bytes_per_s": bw,
-                         "peak_fraction": frac})
-            print(f"  {label:>32} {name:>9}: {dt * 1e6:9.1f} us  {bw / 1e9:8.1f} GB/s  "
-                  f"{frac:6.1%} of peak")
+    for dtype in ("bfloat16", "float32"):
+        itemsize = jnp.dtype(dtype).itemsize
+        for label, seqs in batches.items():
+            q, k, v, layer, md, _ = selftest.make_batch(seqs, kv_heads, groups, head_dim,
+                                                        jnp.dtype(dtype), pad=False)
+            nbytes = attention_bytes(seqs, kv_heads, groups, head_dim, itemsize)
+            for name in [b.value for b in BACKENDS]:
+                row = {"backend": name, "dtype": dtype, "shape": label}
+                why = ("the oracle, not a serving kernel" if name == AttentionBackend.REFERENCE
+                       else skip_reason(name, missing, dtype, kv_heads, groups, head_dim))
+                if why:
+                    rows.append(row | {"skipped": why})
+                    say(f"  {label:>31} {dtype:>8} {name:>9}: skipped ({why})")
+                    continue
+                try:
+                    dt = selftest.time_attention(fns[name], q, k, v, layer, md, repeats, inner)
+                except Exception as e:  # noqa: BLE001 - one backend failing is a finding
+                    rows.append(row | {"error": short(e)})
+                    say(f"  {label:>31} {dtype:>8} {name:>9}: error {short(e)}")
+                    continue
+                bw = nbytes / dt
+                frac = bw / peak if peak else None
+                rows.append(row | {"median_s": dt, "bytes_per_s": bw, "peak_fraction": frac})
+                say(f"  {label:>31} {dtype:>8} {name:>9}: {dt * 1e6:9.1f} us  "
+                    f"{bw / 1e9:8.1f} GB/s  "
+                    + (f"{frac:6.1%} of peak" if peak else "(peak unknown)"))
     return rows
 
 
-def time_engine(dry_run: bool) -> list[dict]:
-    print("== engine decode step (default model)")
-    from jaxserve.config import EngineConfig
-    from jaxserve.runtime.runner import ModelRunner
+# ----------------------------------------------------------------------------------- engine
+
+
+def make_model(directory: str, dry_run: bool) -> str:
+    """A random-weight Llama of SmolLM2-135M's shapes (tiny ones in a dry run), in bfloat16,
+    made on this machine's accelerator, with a tokenizer; returns its directory."""
+    import torch
+    import transformers as tf
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**(TINY if dry_run else SMOLLM2)))
+    model.to(torch.bfloat16).save_pretrained(directory)
+    make_tokenizer(model.config.vocab_size, dry_run).save_pretrained(directory)
+    return directory
+
+
+def make_tokenizer(vocab_size: int, dry_run: bool):
+    """The default model's own tokenizer where its package is installed, else a word-level one
+    over the whole vocabulary (prompts are token ids either way; it detokenizes the outputs)."""
+    if not dry_run:
+        try:
+            from gguf import GGUFReader
+
+            from models.gguf_tokenizer import build_tokenizer
+            from models.loader import default_model_path
+
+            reader = GGUFReader(default_model_path())
+            return build_tokenizer({k: f.contents() for k, f in reader.fields.items()
+                                    if k.startswith("tokenizer.")})
+        except (ImportError, FileNotFoundError, ValueError) as e:
+            say(f"  (no default model's tokenizer: {short(e)}; a word-level one instead)")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def decode_inputs(runner, b: int, ctx: int):
+    """One decode step of `b` sequences at position `ctx`, padded to its buckets."""
     from jaxserve.runtime.sampling import SamplingInputs
-    from jaxserve.runtime.step_inputs import StepInputs, empty_spec_inputs
-    from models.loader import load_model
+    from jaxserve.runtime.step_inputs import StepInputs, empty_spec_inputs, seq_bucket
+    from kernels.metadata import AttentionMetadata
 
-    loaded = load_model()
-    batches = (1, 4) if dry_run else (1, 32, 256)
-    ctx = 64 if dry_run else 512
+    tok, seq, blk = runner.buckets
+    t = min(x for x in tok if x >= b)
+    s = seq_bucket(seq, t)
+    mb = min(x for x in blk if x * runner.block_size > ctx)
+    tables = np.zeros((s, mb), np.int32)
+    tables[:b] = np.arange(b * mb, dtype=np.int32).reshape(b, mb) % runner.num_blocks
+    pos, tseq = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    pos[:b], tseq[:b] = ctx, np.arange(b)
+    slots = np.full(t, runner.num_blocks * runner.block_size, np.int32)
+    slots[:b] = tables[:b, ctx // runner.block_size] * runner.block_size + ctx % runner.block_size
+    qsl = np.full(s + 1, b, np.int32)
+    qsl[:b] = np.arange(b)
+    ctx_lens = np.zeros(s, np.int32)
+    ctx_lens[:b] = ctx + 1
+    return StepInputs(
+        input_ids=np.ones(t, np.int32), prev_rows=np.full(t, -1, np.int32),
+        attn=AttentionMetadata(pos, tseq, slots, tables, ctx_lens, qsl),
+        logits_indices=np.arange(s, dtype=np.int32) % b,
+        prompt_targets=np.full(t, -1, np.int32),
+        sampling=SamplingInputs(np.zeros(s, np.float32), np.ones(s, np.float32),
+                                np.zeros(s, np.int32), np.zeros(s, np.uint32),
+                                np.zeros(s, np.int32), np.arange(s) < b, np.bool_(False)),
+        processing=runner.logits_shape.unused(s),
+        spec=empty_spec_inputs(s, runner.config.spec_tokens, runner.logits_shape.mask_words))
+
+
+def time_step_program(runner, b: int, ctx: int, steps: int) -> float:
+    """Seconds per decode step of the compiled program alone: `steps` launched back to back
+    (the device runs them in a queue), median of 3 rounds."""
+    inp = decode_inputs(runner, b, ctx)
+    runner.execute(inp)  # built at warmup; this loads it
+    rounds = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = runner.dispatch(inp)
+        runner.fetch(out, False)
+        rounds.append((time.perf_counter() - t0) / steps)
+    return statistics.median(rounds)
+
+
+def time_generate(llm, prompts, new_tokens: int) -> dict:
+    """LLM.generate end to end: wall time, and the median time between consecutive
+    decode-only steps' tokens reaching the host (the step time a user sees)."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine = llm.engine
+    engine.step_trace.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs), "short outputs"
+    done = [r.finished_at for r in engine.step_trace if r.num_prefill_tokens == 0]
+    gaps = np.diff(done)
+    return {"wall_s": wall, "tok_per_s": len(prompts) * new_tokens / wall,
+            "decode_step_s": float(np.median(gaps)) if len(gaps) else float("nan"),
+            "decode_steps": len(done)}
+
+
+def hf_peer(model_dir: str, model_path: str | None, prompts, new_tokens: int, dtype) -> dict:
+    """HF transformers' greedy `generate` on the same device and prompts."""
+    import torch
+
+    from jaxserve.testing.oracle import load_hf_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_hf_model(model_path or model_dir).to(device=device, dtype=dtype)
+    ids = torch.tensor(prompts, device=device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **kw)  # warm
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        sync()
+        wall = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return {"wall_s": wall, "tok_per_s": len(prompts) * new_tokens / wall,
+            "step_s": wall / new_tokens}
+
+
+def check_engine(dry_run: bool, model_path: str | None) -> list[dict]:
+    import torch
+
+    from jaxserve import LLM
+
+    batches, prompt_len, new_tokens = ((1, 4), 8, 4) if dry_run else ((1, 32, 256), 64, 64)
     dtype = "float32" if dry_run else "bfloat16"
-    rows = []
-    for b in batches:
-        cfg = EngineConfig(dtype=dtype, max_num_seqs=b, max_num_batched_tokens=max(16, b),
-                           max_model_len=ctx + 16, num_kv_blocks=b * (ctx // 16 + 1),
-                           token_buckets=(max(16, b),), seq_buckets=(b,))
-        runner = ModelRunner(cfg, loaded)
-        t = max(16, b)
-        mb = ctx // 16 + 1
-        tables = np.arange(b * mb, dtype=np.int32).reshape(b, mb)
-        pos = np.zeros(t, np.int32)
-        pos[:b] = ctx
-        tseq = np.zeros(t, np.int32)
-        tseq[:b] = np.arange(b)
-        slots = np.full(t, runner.num_blocks * 16, np.int32)
-        slots[:b] = tables[:, ctx // 16] * 16 + ctx % 16
-        qsl = np.full(b + 1, b, np.int32)
-        qsl[:b] = np.arange(b)
-        inp = StepInputs(
-            input_ids=np.ones(t, np.int32), prev_rows=np.full(t, -1, np.int32),
-            attn=AttentionMetadata(pos, tseq, slots, tables, np.full(b, ctx + 1, np.int32), qsl),
-            logits_indices=np.arange(b, dtype=np.int32),
-            prompt_targets=np.full(t, -1, np.int32),
-            sampling=SamplingInputs(np.zeros(b, np.float32), np.ones(b, np.float32),
-                                    np.zeros(b, np.int32), np.zeros(b, np.uint32),
-                                    np.zeros(b, np.int32), np.ones(b, bool), np.bool_(False)),
-            processing=runner.logits_shape.unused(b),
-            spec=empty_spec_inputs(b, runner.config.spec_tokens,
-                                   runner.logits_shape.mask_words))
-        dt = timed(lambda inp=inp, runner=runner: runner.execute(inp).token_ids,
-                   3 if dry_run else 20)
-        rows.append({"batch": b, "context": ctx, "dtype": dtype, "backend":
-                     runner.attention_backend, "step_median_s": dt, "tok_per_s": b / dt})
-        print(f"  batch {b:>4} ctx {ctx} {dtype} [{runner.attention_backend}]: "
-              f"{dt * 1e3:8.2f} ms/step  {b / dt:9.1f} tok/s")
+    most = max(batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model_dir = model_path or make_model(tmp, dry_run)
+        shapes = "tiny" if dry_run else "SmolLM2-135M's"
+        say(f"  model: {model_path or f'random weights of {shapes} shapes'} "
+            f"({time.perf_counter() - t0:.1f}s to make)")
+        max_len = prompt_len + new_tokens
+        blocks = -(-max_len // 16)
+        tokens = (1, 4, 16) if dry_run else (1, 32, 256, 1024)
+        llm = LLM(model_dir, dtype=dtype, max_num_seqs=most, max_num_batched_tokens=tokens[-1],
+                  max_model_len=max_len, token_buckets=tokens, block_buckets=(blocks,),
+                  num_kv_blocks=most * blocks + 8, enable_step_trace=True)
+        runner = llm.engine.runner
+        say(f"  attention: {runner.attention_backend}")
+        if runner.attention.selftest is not None:
+            for line in runner.attention.selftest.describe():
+                say(f"    {line}")
+        say(f"  warmup: {llm.engine.warmup():.1f}s, {runner.num_compiles} programs")
+        vocab = llm.engine.model_config.vocab_size
+        rng = np.random.default_rng(0)
+        rows = []
+        for b in batches:
+            prompts = rng.integers(3, vocab, (b, prompt_len)).tolist()
+            row = {"sequences": b, "dtype": dtype, "backend": str(runner.attention_backend),
+                   "prompt_len": prompt_len, "new_tokens": new_tokens}
+            try:
+                row["step_program_s"] = time_step_program(runner, b, max_len - 8,
+                                                          5 if dry_run else 20)
+                time_generate(llm, prompts, new_tokens)  # warm: every program it takes
+                row["generate"] = time_generate(llm, prompts, new_tokens)
+                row["host_share_s"] = row["generate"]["decode_step_s"] - row["step_program_s"]
+                row["hf"] = hf_peer(model_dir, model_path, prompts, new_tokens,
+                                    getattr(torch, dtype))
+            except Exception as e:  # noqa: BLE001 - the other batch sizes still run
+                row["error"] = short(e)
+                traceback.print_exc(file=sys.stdout)
+            rows.append(row)
+            say("  " + engine_line(row))
     return rows
 
 
-def end_to_end(dry_run: bool) -> dict:
-    """scripts/bench.py at its defaults (bf16 on a GPU), in this process."""
-    print("== end to end: scripts/bench.py")
-    from jaxserve.bench.cli import main as bench_main
+def engine_line(row: dict) -> str:
+    head = f"{row['sequences']:>4} seqs {row['dtype']} [{row['backend']}]:"
+    if "error" in row:
+        return f"{head} error {row['error']}"
+    g, hf = row["generate"], row["hf"]
+    return (f"{head} step program {row['step_program_s'] * 1e3:7.2f} ms; in LLM.generate "
+            f"{g['decode_step_s'] * 1e3:7.2f} ms (host share {row['host_share_s'] * 1e3:+.2f} "
+            f"ms), {g['tok_per_s']:9.1f} tok/s; HF generate {hf['step_s'] * 1e3:7.2f} ms/step, "
+            f"{hf['tok_per_s']:9.1f} tok/s ({g['tok_per_s'] / hf['tok_per_s']:.2f}x)")
 
-    with tempfile.TemporaryDirectory() as out:
-        argv = ["--dtype", "float32" if dry_run else "bfloat16", "--out-dir", out,
-                "--no-progress"] + (["--num-requests", "4", "--output-len", "fixed:8",
-                                     "--no-warmup"] if dry_run else [])
-        t0 = time.perf_counter()
-        bench_main(argv)
-        with open(os.path.join(out, "bench.json")) as f:
-            summary = json.load(f)["summaries"]["jaxserve"]
-    row = {"args": argv[:2] + argv[5:], "output_tok_per_s": summary["output_tok_per_s"],
-           "tpot_p50_s": summary["tpot_p50_s"], "wall_s": time.perf_counter() - t0}
-    print(f"  output {row['output_tok_per_s']:.1f} tok/s, TPOT p50 "
-          f"{row['tpot_p50_s'] * 1e3:.2f} ms ({row['wall_s']:.0f} s with warmup)")
-    return row
+
+# ------------------------------------------------------------------------------------- main
+
+
+def short(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+def write(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+
+
+def run_section(report: dict, name: str, fn, path: str) -> None:
+    say(f"== {name}")
+    t0 = time.perf_counter()
+    try:
+        report[name] = fn()
+    except Exception as e:  # noqa: BLE001 - report it; the next section runs
+        report[name] = {"error": short(e)}
+        say(f"  section {name} failed: {short(e)}")
+        traceback.print_exc(file=sys.stdout)
+    finally:
+        report["seconds"][name] = time.perf_counter() - t0
+        say(f"  ({report['seconds'][name]:.1f}s)")
+        write(report, path)
+
+
+def failed(report: dict) -> list[str]:
+    """What went wrong: failed sections, and rows with an error or a wrong result."""
+    out = []
+    for name in ("selftest", "correctness", "kernels", "engine"):
+        part = report.get(name)
+        if isinstance(part, dict):
+            out.append(f"{name}: {part['error']}")
+            continue
+        out += [f"{name}: {r}" for r in part or () if "error" in r or r.get("ok") is False]
+    return out
 
 
 def main() -> int:
+    sys.stdout.reconfigure(line_buffering=True)
+    faulthandler.enable()  # a crash inside XLA still prints where it was
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: kernels in Pallas' interpreters, tiny shapes (keeps the script "
                          "working)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default=None,
+                    help="the engine section on this model (a directory or .gguf) instead of "
+                         "random weights of SmolLM2-135M's shapes")
+    ap.add_argument("--json", default="gpu_check.json", help="report file, rewritten after "
+                                                              "every section")
     args = ap.parse_args()
     t0 = time.perf_counter()
     dev = jax.devices()[0]
-    print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    say(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"python {sys.version.split()[0]}")
     if not args.dry_run and jax.default_backend() != "gpu":
-        print("no GPU here: use --dry-run")
+        say("no GPU here: use --dry-run")
         return 2
-    backends, missing = backends_here(args.dry_run)
+    fns, missing = backend_fns(args.dry_run)
+    for name, why in missing.items():
+        say(f"  backend {name}: unavailable ({why})")
+    heads = (dict(kv_heads=1, groups=3, head_dim=64) if args.dry_run
+             else dict(kv_heads=3, groups=3, head_dim=64))  # the engine model's
     report = {"device": dev.device_kind, "jax": jax.__version__,
               "compute_capability": getattr(dev, "compute_capability", None),
-              "backends_missing": missing,
-              "correctness": check_correctness(backends, args.dry_run),
-              "kernels": time_kernels(backends, args.dry_run),
-              "engine": time_engine(args.dry_run)}
-    try:
-        report["end_to_end"] = end_to_end(args.dry_run)
-    except Exception as e:  # the figures above stand on their own
-        report["end_to_end"] = {"error": repr(e)[:500]}
-        print(f"  end to end failed: {e!r}")
+              "backends_missing": missing, "seconds": {}}
+    run_section(report, "selftest", lambda: check_selftest(args.dry_run, heads), args.json)
+    run_section(report, "correctness", lambda: check_correctness(fns, missing, args.dry_run),
+                args.json)
+    run_section(report, "kernels", lambda: time_kernels(fns, missing, args.dry_run), args.json)
+    run_section(report, "engine", lambda: check_engine(args.dry_run, args.model), args.json)
+    report["failures"] = failed(report)
     report["total_s"] = time.perf_counter() - t0
-    print(f"done in {report['total_s']:.1f}s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    print(json.dumps(report))
-    return 0 if all(r["ok"] for r in report["correctness"]) else 1
+    write(report, args.json)
+    say(f"done in {report['total_s']:.1f}s; {len(report['failures'])} failures")
+    for line in report["failures"]:
+        say(f"  {line[:300]}")
+    say(json.dumps(report, default=str))
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":

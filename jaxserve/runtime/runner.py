@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, po
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
-from kernels import AttentionBackend, cpu_matmul, select_attention
+from kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul
 from kernels.cpu_matmul import block_matmul_or_none
 from models import quant
 from models.llama import (
@@ -53,6 +54,14 @@ logger = logging.getLogger(__name__)
 
 class RecompileError(RuntimeError):
     """A step needed a program that warmup() did not compile (strict_compile=True)."""
+
+
+class _ProgramError(Exception):
+    """A step program failed to lower or compile at warmup (which one, and the error)."""
+
+    def __init__(self, program: tuple[int, int, int, int], error: Exception):
+        super().__init__(program, error)
+        self.program, self.error = program, error
 
 
 def resolve_dtype(name: str):
@@ -126,12 +135,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         asked = None if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype)
         lc = loaded.config
-        self.attention_backend, attn_fn = select_attention(
-            config.attention_backend, dtype=self.dtype, head_dim=lc.head_dim,
-            groups=lc.num_heads // lc.num_kv_heads, block_size=config.block_size,
+        # auto: a self-test on the device picks the backend (kernels/selftest.py), and names
+        # the one a step program that fails to compile for the kernel's sake falls back to.
+        self.attention = choose_attention(
+            config.attention_backend, kv_heads=lc.num_kv_heads, dtype=self.dtype,
+            head_dim=lc.head_dim, groups=lc.num_heads // lc.num_kv_heads,
+            block_size=config.block_size,
             kv_dtype=None if asked is None or asked == self.dtype else asked)
         self.kv_dtype = (asked if asked is not None
-                         else auto_kv_dtype(self.dtype, self.attention_backend))
+                         else auto_kv_dtype(self.dtype, self.attention.backend))
         scan = config.layer_loop is LayerLoop.SCAN
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         self.devices = sharding.device_group(devices, tp)
@@ -141,7 +153,6 @@ class ModelRunner:
             self.mesh = sharding.make_mesh(self.devices)
             self.head_layout = sharding.HeadLayout.plan(mc, tp)
             mc, params = sharding.relayout(mc, params, self.head_layout)
-            attn_fn = sharding.shard_attention(attn_fn, self.mesh)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         keep_blocks = config.quantization is Quantization.AUTO
         # Projections kept in GGUF blocks run through the CPU kernel where it builds (it says
@@ -150,8 +161,6 @@ class ModelRunner:
         self.block_matmul = (block_matmul_or_none if keep_blocks and tp == 1
                              and self.dtype == jnp.float32 and cpu_matmul.available() is None
                              else None)
-        self.model = Transformer(mc, self.dtype, attn_fn, scan_layers=scan,
-                                 block_matmul=self.block_matmul)
 
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
@@ -176,9 +185,8 @@ class ModelRunner:
         self.block_size = config.block_size
         per_block = bytes_per_block(mc, config.block_size, self.kv_dtype)
         if self.draft_config is not None:  # its pool has the same blocks: they share the budget
-            self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
-                                           scan_layers=scan, block_matmul=self.block_matmul)
             per_block += bytes_per_block(self.draft_config, config.block_size, self.kv_dtype)
+        self._use_attention(self.attention.backend, self.attention.fn)
         # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
         self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.devices[0])
@@ -192,7 +200,7 @@ class ModelRunner:
                     as_step_params(self.draft_config, draft.params), rep)
                 self.draft_kv = KVCache.create(self.draft_config, self.num_blocks,
                                                self.block_size, self.kv_dtype, rep)
-            jit_kw = {}
+            self._jit_kw = {}
         else:
             specs = sharding.param_specs(params, mc.vocab_size, tp)
             self.params = jax.device_put(params, sharding.named(self.mesh, specs))
@@ -200,9 +208,9 @@ class ModelRunner:
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
                                      kv_sharding)
             rep = sharding.named(self.mesh, sharding.P())
-            jit_kw = {"in_shardings": ((sharding.named(self.mesh, specs),), (kv_sharding,), rep,
-                                       rep),
-                      "out_shardings": ((kv_sharding,), rep, rep)}
+            self._jit_kw = {"in_shardings": ((sharding.named(self.mesh, specs),), (kv_sharding,),
+                                             rep, rep),
+                            "out_shardings": ((kv_sharding,), rep, rep)}
             dev = next(d for d in self.devices if d.process_index == jax.process_index())
             logger.info("tensor parallel: mesh %s over %s; %s; per device: params %.1f MiB, "
                         "KV pool %.1f MiB (%d blocks of %d tokens)", dict(self.mesh.shape),
@@ -228,30 +236,53 @@ class ModelRunner:
         # Rows' logit processing: the history holds every distinct token of a context.
         self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
                                                           config.max_model_len)
+        self._replicated = rep  # where the step's small inputs live
+        self._unused: dict[int, logits_processing.LogitsInputs] = {}
+        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
+        self._make_step()
+        self.num_compiles = 0  # programs lowered and compiled (XLA's own cache may serve those)
+        self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
+        self.is_warm = False
+
+    @property
+    def attention_backend(self) -> AttentionBackend | str:
+        """The backend the step programs run (after a fallback, the one fallen back to)."""
+        return self._attention_backend
+
+    def _use_attention(self, backend: AttentionBackend | str, attn_fn) -> None:
+        """Build the model (and the draft model) around `attn_fn`, per device under TP."""
+        self._attention_backend, self._attention_fn = backend, attn_fn
+        if self.mesh is not None:
+            attn_fn = sharding.shard_attention(attn_fn, self.mesh)
+        scan = self.config.layer_loop is LayerLoop.SCAN
+        self.model = Transformer(self.model_config, self.dtype, attn_fn, scan_layers=scan,
+                                 block_matmul=self.block_matmul)
+        if self.draft_config is not None:
+            self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
+                                           scan_layers=scan, block_matmul=self.block_matmul)
+
+    def _make_step(self) -> None:
+        """Jit the step around the current model, with no program built yet."""
+        max_logprobs = self.config.max_logprobs
+
         def step(*args):
-            return self._step(*args, max_logprobs=config.max_logprobs)
+            return self._step(*args, max_logprobs=max_logprobs)
 
         # Named after the step's source: JAX's cache keys on the name, so a program whose HLO
         # an upgrade left as it was is compiled afresh once, and then stored whole here (an
         # executable loaded from JAX's cache cannot be; runtime/executable_cache.py).
         step.__name__ = step.__qualname__ = f"step_{executable_cache.source_digest()[:16]}"
-        self._jitted = jax.jit(step, donate_argnums=(1,), **jit_kw)
-        self._replicated = rep  # where the step's small inputs live
-        self._unused: dict[int, logits_processing.LogitsInputs] = {}
-        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
+        self._jitted = jax.jit(step, donate_argnums=(1,), **self._jit_kw)
         self._executables: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}
         self.executable_cache = executable_cache.ExecutableCache.create(
             self.compilation_cache_dir, "\n".join([
-                repr(config), repr(self.model_config), repr(self.draft_config),
+                repr(self.config), repr(self.model_config), repr(self.draft_config),
                 # auto's choice, which depends on the machine (a C++ compiler for 'cpu')
-                f"attention_backend={self.attention_backend.value}",
+                f"attention_backend={self.attention_backend}",
                 f"block_matmul={self.block_matmul is not None}",
                 executable_cache.abstract(self.step_params), executable_cache.abstract(self.pools),
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
-        self.num_compiles = 0  # programs lowered and compiled (XLA's own cache may serve those)
-        self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
-        self.is_warm = False
 
     @staticmethod
     def _check_draft(config: EngineConfig, loaded: LoadedModel,
@@ -403,7 +434,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         exe = self._cached(program)
         if exe is None:
-            exe = self._build(program, self._lower(program))
+            try:
+                exe = self._build(program, self._lower(program))
+            except Exception as e:  # noqa: BLE001 - the kernel's fault falls back once
+                if not self._fall_back(program, e):
+                    raise
+                exe = self._cached(program) or self._build(program, self._lower(program))
         self.compile_seconds += time.perf_counter() - t0
         self._executables[program] = exe
         return exe
@@ -430,17 +466,12 @@ class ModelRunner:
         (that holds the GIL); XLA's compiles, or loads from its compilation cache, run on a
         thread per core, since each mostly uses one."""
         t0 = time.perf_counter()
-        todo = []
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            missing = [p for p in self.all_programs() if p not in self._executables]
-            for program, exe in zip(missing, pool.map(self._cached, missing), strict=True):
-                if exe is None:
-                    todo.append(program)
-                else:
-                    self._executables[program] = exe
-            lowered = [self._lower(p) for p in todo]
-            for program, exe in zip(todo, pool.map(self._build, todo, lowered), strict=True):
-                self._executables[program] = exe
+        try:
+            self._build_missing()
+        except _ProgramError as e:  # the kernel's fault falls back once, then builds all again
+            if not self._fall_back(e.program, e.error):
+                raise e.error from None
+            self._build_missing()
         self.compile_seconds += time.perf_counter() - t0
         if self.host_pool is not None:
             self.pools = self.host_pool.warmup(self.pools)
@@ -449,6 +480,64 @@ class ModelRunner:
         logger.info("warmup: %d programs in %.1fs (%d loaded whole from the executable cache)",
                     len(self._executables), dt, self.num_loaded_executables)
         return dt
+
+    def _build_missing(self) -> None:
+        """Load or build every program not built yet; a failure is raised as _ProgramError."""
+        def build(program, lowered):
+            try:
+                return self._build(program, lowered)
+            except Exception as e:  # noqa: BLE001 - raised again, naming the program
+                raise _ProgramError(program, e) from e
+
+        todo = []
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            missing = [p for p in self.all_programs() if p not in self._executables]
+            for program, exe in zip(missing, pool.map(self._cached, missing), strict=True):
+                if exe is None:
+                    todo.append(program)
+                else:
+                    self._executables[program] = exe
+            lowered = []
+            for program in todo:
+                try:
+                    lowered.append(self._lower(program))
+                except Exception as e:  # noqa: BLE001
+                    raise _ProgramError(program, e) from e
+            for program, exe in zip(todo, pool.map(build, todo, lowered), strict=True):
+                self._executables[program] = exe
+
+    def _fall_back(self, program: tuple[int, int, int, int], error: Exception) -> bool:
+        """`program` failed to build. If its attention kernel alone fails to build at its
+        shapes and auto named a fallback not taken yet, switch to that backend (the programs
+        built so far are dropped) and return True; else False."""
+        fallback, failed = self.attention.fallback, self.attention_backend
+        if fallback is None or failed == fallback:
+            return False
+        why = self._kernel_fails(program)
+        if why is None:
+            return False
+        message = (f"attention_backend auto: the step program {program} failed to build with "
+                   f"{failed!s} ({type(error).__name__}), whose kernel alone fails at its "
+                   f"shapes ({why}); falling back to {fallback.value!r}")
+        logger.warning("%s", message)
+        warnings.warn(message, stacklevel=2)
+        self._use_attention(fallback, attention_fn(fallback))
+        self._make_step()
+        return True
+
+    def _kernel_fails(self, program: tuple[int, int, int, int]) -> str | None:
+        """Why the attention function alone fails to lower or compile at `program`'s shapes
+        (all heads, one device), or None."""
+        mc, md = self.model_config, self._dummy_inputs(program).attn
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+        q = jax.ShapeDtypeStruct((md.positions.shape[0], mc.num_heads, mc.head_dim), self.dtype)
+        try:
+            jax.jit(self._attention_fn).lower(q, spec(self.kv.k), spec(self.kv.v),
+                                              jax.ShapeDtypeStruct((), jnp.int32),
+                                              jax.tree.map(spec, md)).compile()
+        except Exception as e:  # noqa: BLE001 - the answer, not an error
+            return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return None
 
     # ----------------------------------------------------------------------------------- swap
 

@@ -1,4 +1,5 @@
-"""Backend selection, and the engine giving identical tokens across backends."""
+"""Backend selection, and the engine giving identical tokens across backends (auto's self-test:
+test_selftest.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import jax
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import AttentionBackend, _auto, select_attention
+from kernels import select_attention
 from kernels.mosaic_attention import supports
 from tests.helpers import run_all
 
@@ -29,20 +30,6 @@ def test_unavailable_backend_fails_at_engine_start(tiny_llama_dir, backend, why)
                                          f"({why})"):
         LLMEngine(EngineConfig(model=tiny_llama_dir, attention_backend=backend,
                                max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128))
-
-
-def test_auto_on_a_gpu_passes_over_what_cannot_run_with_a_warning():
-    """The GPU order, walked on this machine: mosaic needs a Hopper device and triton needs
-    jax-triton and a GPU, so each is passed over with a warning that says why, and the first
-    that can run (Pallas' Triton lowering, which imports here) is chosen; never an error."""
-    if jax.default_backend() == "gpu":
-        pytest.skip("on a GPU the first choice may run")
-    with pytest.warns(UserWarning) as caught:
-        choice = _auto("gpu", dict(dtype="bfloat16", head_dim=64, groups=3, block_size=16))
-    assert choice is AttentionBackend.PALLAS
-    said = [str(w.message) for w in caught]
-    assert any("'mosaic'" in m and "Hopper" in m for m in said)
-    assert any("'triton'" in m for m in said)
 
 
 def test_mosaic_shape_limits_name_the_field():
