@@ -55,7 +55,7 @@ def decode_everywhere(num_prompts: int, max_tokens: int, seed: int = 0) -> dict:
     for p in prompts:
         runs["alone"].update(run([p]))
     rng = random.Random(seed)
-    for size in sorted({2, 3, 5, num_prompts // 2, num_prompts}):
+    for size in sorted({s for s in (2, 3, 5, num_prompts // 2, num_prompts) if s <= num_prompts}):
         batch = rng.sample(prompts, size)
         runs[f"batch of {size}: {batch}"] = run(batch)
     runs["all, reversed"] = run(prompts[::-1])
