@@ -89,12 +89,34 @@ def initialize(cfg: DistributedConfig) -> DistributedConfig:
         import jax
 
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # A dead peer is ours to report (fatal, EXIT_PEER_LOST): without this the coordination
+        # service tells the others, whose JAX client then aborts them before we can.
+        jax.config.update("jax_enable_recoverability", True)
         jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
                                    heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
         logger.info("process %d of %d joined %s; devices: %d here, %d in all", cfg.process_id,
                     cfg.num_processes, cfg.coordinator_address, jax.local_device_count(),
                     jax.device_count())
     return cfg
+
+
+def leave(cfg: DistributedConfig, timeout_s: float = 30.0) -> None:
+    """An orderly exit, every process once it has stopped stepping: followers disconnect from
+    the coordination service first, and process 0, which hosts it, waits until they have
+    before it shuts the service down (recoverable tasks skip JAX's own shutdown barrier, and a
+    follower whose disconnect finds the service gone is aborted by its JAX client)."""
+    if not cfg.is_multiprocess:
+        return
+    import jax
+    from jax._src import distributed as jax_distributed  # the client: no public handle
+
+    client = jax_distributed.global_state.client
+    if cfg.process_id == 0 and client is not None:
+        everyone = list(range(cfg.num_processes))
+        deadline = time.monotonic() + timeout_s
+        while set(client.get_live_nodes(everyone)) - {0} and time.monotonic() < deadline:
+            time.sleep(0.05)
+    jax.distributed.shutdown()
 
 
 def fatal(what: str, error: BaseException) -> None:

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     dist.process_id, dist.num_processes)
         engines[0].runner.follow()
         logger.info("process 0 stopped; exiting")
+        distributed.leave(dist)
         return 0
     hooks = ()
     profiler = None
@@ -104,4 +105,5 @@ def main(argv: list[str] | None = None) -> int:
     engines[0].runner.stop_followers()
     if profiler is not None:
         profiler.stop()
+    distributed.leave(dist)
     return 0
