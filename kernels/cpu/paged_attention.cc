@@ -264,7 +264,10 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
         }
       }
     }
-  // Softmax over each row's own keys; the rest of its scores become exact zeros.
+  // Softmax over each row's own keys. The rest of its scores (the keys only the tile's later
+  // rows see, and the padding to whole vectors) become exact zeros before the sum, so adding
+  // them changes nothing: a row sums alike whatever the other rows of its tile reach.
+  const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
   for (int64_t u = 0; u < units; ++u) {
     float* s = sc.p.data() + u * stride;
     const int64_t n = seen[(u / G) % rows];
@@ -279,12 +282,12 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
     v8 sum = splat(0.f);
     for (int64_t c = 0; c < stride; c += W) {
       v8 e = exp_nonpositive(load(s + c) - splat(m));
+      const v8i own = lane + static_cast<int32_t>(c) < static_cast<int32_t>(n);
+      e = (v8)(own & (v8i)e);
       store(s + c, e);
       sum += e;
     }
-    float tail = 0.f;
-    for (int64_t c = n; c < stride; ++c) tail += s[c], s[c] = 0.f;
-    sc.norm[u] = hsum(sum) - tail;
+    sc.norm[u] = hsum(sum);
   }
   // Probabilities times values, kKeyChunk keys at a time, a row's group heads a few at a time
   // (weigh_values).

@@ -57,6 +57,19 @@ def test_half_precision_pools_give_their_float32_values_results(pool_dtype, bloc
     assert not np.array_equal(np.asarray(got), np.asarray(run(q, k, v, md, block_q=block_q)))
 
 
+@pytest.mark.parametrize("pool_dtype", ["float32", "float16"])
+def test_a_rows_output_does_not_depend_on_its_tile(pool_dtype):
+    """Batch invariance: a row's output is the same floats in a tile of its own (block_q 1)
+    as in tiles of 3, 16 or 64 rows, whose other rows see more or fewer keys; a query row
+    sees keys up to its position, so the rows of a prompt chunk reach different lengths."""
+    q, k, v, md, t = make_case(5, MIXED + [(40, 45), (23, 23)], kv_heads=3, groups=3,
+                               dtype="float32", head_dim=64)
+    k, v = k.astype(pool_dtype), v.astype(pool_dtype)
+    alone = np.asarray(run(q, k, v, md, block_q=1))
+    for block_q in (3, 16, 64):
+        np.testing.assert_array_equal(np.asarray(run(q, k, v, md, block_q=block_q)), alone)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_ragged_batches(seed):
     """Many sequences (more tiles than threads), block sizes 8 and 16, tiles of 1 to 64 rows."""
