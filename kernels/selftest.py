@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from kernels import AttentionBackend, attention_fn, unavailable
-from models.cache import cache_home
+from models.cache import cache_home, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -124,18 +124,6 @@ def _resolve(candidate) -> tuple[str, AttentionBackend | None, Callable | None]:
         return candidate.name, None, candidate.fn
     backend = AttentionBackend(candidate)
     return backend.value, backend, None
-
-
-def _digest() -> str:
-    """sha256 of the kernels' source: a changed kernel is tested again."""
-    root = os.path.dirname(__file__)
-    h = hashlib.sha256()
-    for d, _, files in sorted(os.walk(root)):
-        for f in sorted(files):
-            if f.endswith((".py", ".cc", ".h")):
-                with open(os.path.join(d, f), "rb") as fh:
-                    h.update(f.encode() + fh.read())
-    return h.hexdigest()
 
 
 def cache_path(key: dict) -> str | None:
@@ -232,15 +220,15 @@ def _trial(name: str, fn, shapes: dict, kv_heads: int, platform: str) -> Trial:
     try:
         lowered = jax.jit(fn).lower(q, k, v, layer, md)
     except Exception as e:  # noqa: BLE001 - a finding, not an error
-        return Trial(name, False, f"lowering failed: {_short(e)}")
+        return Trial(name, False, f"lowering failed: {describe_error(e)}")
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001
-        return Trial(name, False, f"compiling failed: {_short(e)}")
+        return Trial(name, False, f"compiling failed: {describe_error(e)}")
     try:
         err, ok = max_error(compiled, q, k, v, layer, md, t, dtype)
     except Exception as e:  # noqa: BLE001
-        return Trial(name, False, f"running failed: {_short(e)}")
+        return Trial(name, False, f"running failed: {describe_error(e)}")
     if not ok:
         return Trial(name, False, f"differs from the reference: max abs error {err:.3g} "
                                   f"(tolerance {TOLERANCE[dtype.name]})", err)
@@ -251,13 +239,14 @@ def _trial(name: str, fn, shapes: dict, kv_heads: int, platform: str) -> Trial:
             times[label] = time_attention(fn, *make_batch(seqs, **head, pad=False)[:5],
                                           repeats, inner)
         except Exception as e:  # noqa: BLE001
-            return Trial(name, False, f"{label} batch failed: {_short(e)}", err)
+            return Trial(name, False, f"{label} batch failed: {describe_error(e)}", err)
     return Trial(name, True, "", err, times["decode"], times["mixed"])
 
 
-def _short(e: Exception) -> str:
+def describe_error(e: BaseException, limit: int = 300) -> str:
+    """The exception's type and its message on one line, cut at `limit` characters."""
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def run(candidates: Sequence, *, dtype, head_dim: int, groups: int, block_size: int,
@@ -280,7 +269,8 @@ def run(candidates: Sequence, *, dtype, head_dim: int, groups: int, block_size: 
                   kv_dtype=None if kv_dtype is None else jnp.dtype(kv_dtype).name)
     key = {"format": _FORMAT, "device_kind": dev.device_kind, "platform": platform,
            "platform_version": dev.client.platform_version, "jax": jax.__version__,
-           "jaxlib": jaxlib.__version__, "kernels": _digest(), "kv_heads": kv_heads,
+           "jaxlib": jaxlib.__version__, "kv_heads": kv_heads,
+           "kernels": source_digest(os.path.dirname(__file__), ["."]),  # a changed kernel
            "candidates": names, **shapes}
     path = cache_path(key)
     cached = _load(path, key) if reuse else None

@@ -49,6 +49,24 @@ def host_cpu() -> str:
         return f"{platform.machine()}|{platform.processor()}"
 
 
+def source_digest(root: str, sources) -> str:
+    """sha256 over the .py, .cc and .h files of `sources` (files or folders, relative to
+    `root`), each with its path: cache keys that change when that code does."""
+    paths = []
+    for src in sources:
+        top = os.path.join(root, src)
+        if os.path.isfile(top):
+            paths.append(top)
+        for d, _, files in os.walk(top):
+            paths += [os.path.join(d, f) for f in files if f.endswith((".py", ".cc", ".h"))]
+    h = hashlib.sha256()
+    for path in sorted(paths):
+        h.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
 def cache_root() -> str | None:
     home = cache_home()
     return None if home is None else os.path.join(home, "converted")

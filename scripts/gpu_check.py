@@ -380,8 +380,7 @@ def engine_line(row: dict) -> str:
 
 
 def short(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:400]}"
+    return selftest.describe_error(e, 400)
 
 
 def write(report: dict, path: str) -> None:

@@ -42,6 +42,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from models.cache import host_cpu
+from models.cache import source_digest as files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +67,7 @@ _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_p
 def source_digest() -> str:
     """sha256 over the source that builds the step (Python, and the C++ kernels it calls)."""
     root = os.path.dirname(os.path.dirname(importlib.util.find_spec("jaxserve").origin))
-    paths = []
-    for src in _SOURCES:
-        top = os.path.join(root, src)
-        if os.path.isfile(top):
-            paths.append(top)
-        for d, _, files in os.walk(top):
-            paths += [os.path.join(d, f) for f in files if f.endswith((".py", ".cc", ".h"))]
-    h = hashlib.sha256()
-    for path in sorted(paths):
-        h.update(os.path.relpath(path, root).encode())
-        with open(path, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()
+    return files_digest(root, _SOURCES)
 
 
 def abstract(tree) -> str:

@@ -38,6 +38,7 @@ from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
 from kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul
 from kernels.cpu_matmul import block_matmul_or_none
+from kernels.selftest import describe_error
 from models import quant
 from models.llama import (
     HEAD_BLOCKS,
@@ -536,7 +537,7 @@ class ModelRunner:
                                               jax.ShapeDtypeStruct((), jnp.int32),
                                               jax.tree.map(spec, md)).compile()
         except Exception as e:  # noqa: BLE001 - the answer, not an error
-            return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            return describe_error(e, 200)
         return None
 
     # ----------------------------------------------------------------------------------- swap
