@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kernels.selftest import SelfTest
+    from jaxserve.kernels.selftest import SelfTest
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def unavailable(backend: AttentionBackend, *, dtype=None, head_dim: int | None =
     if backend in (AttentionBackend.REFERENCE, AttentionBackend.XLA):
         return None  # they compute in q's dtype whatever the pool's
     if backend is AttentionBackend.CPU:
-        from kernels import cpu_attention
+        from jaxserve.kernels import cpu_attention
 
         why = cpu_attention.available(dtype, head_dim, groups)
         if why is None and kv_dtype is not None and jnp.dtype(kv_dtype) not in map(
@@ -70,7 +70,7 @@ def unavailable(backend: AttentionBackend, *, dtype=None, head_dim: int | None =
         return (f"it reads pools of the model's dtype ({jnp.dtype(dtype).name}), not "
                 f"kv_cache_dtype {jnp.dtype(kv_dtype).name}")
     if backend is AttentionBackend.TRITON:
-        from kernels import triton_attention
+        from jaxserve.kernels import triton_attention
 
         return triton_attention.available()
     if backend is AttentionBackend.PALLAS:
@@ -88,7 +88,7 @@ def unavailable(backend: AttentionBackend, *, dtype=None, head_dim: int | None =
     if not capability.startswith("9."):
         return f"it needs a Hopper GPU (sm_90a); this device's compute capability is {capability!r}"
     try:
-        from kernels import mosaic_attention
+        from jaxserve.kernels import mosaic_attention
     except ImportError as e:
         return f"this JAX has no Pallas Mosaic GPU backend ({e})"
     if None in (dtype, head_dim, groups, block_size):
@@ -114,29 +114,29 @@ def attention_fn(backend: AttentionBackend | str) -> Callable:
 
     backend = AttentionBackend(backend)
     if backend is AttentionBackend.REFERENCE:
-        from kernels.reference import ragged_paged_attention_reference
+        from jaxserve.kernels.reference import ragged_paged_attention_reference
 
         return ragged_paged_attention_reference
     if backend is AttentionBackend.CPU:
-        from kernels.cpu_attention import ragged_paged_attention_cpu
+        from jaxserve.kernels.cpu_attention import ragged_paged_attention_cpu
 
         return ragged_paged_attention_cpu
     if backend is AttentionBackend.XLA:
-        from kernels.xla_attention import ragged_paged_attention_xla
+        from jaxserve.kernels.xla_attention import ragged_paged_attention_xla
 
         return ragged_paged_attention_xla
     if backend is AttentionBackend.MOSAIC:
-        from kernels.mosaic_attention import ragged_paged_attention_mosaic
+        from jaxserve.kernels.mosaic_attention import ragged_paged_attention_mosaic
 
         return ragged_paged_attention_mosaic
     if backend is AttentionBackend.PALLAS:
-        from kernels.pallas_attention import ragged_paged_attention
+        from jaxserve.kernels.pallas_attention import ragged_paged_attention
 
         # On a CPU the kernel body runs in Pallas' interpreter: correct, slow, for testing.
         return functools.partial(ragged_paged_attention,
                                  interpret=jax.default_backend() == "cpu")
     if backend is AttentionBackend.TRITON:
-        from kernels import triton_attention
+        from jaxserve.kernels import triton_attention
 
         return triton_attention.ragged_paged_attention_triton
     raise ValueError("attention_backend auto names no one function: choose_attention() "
@@ -159,7 +159,7 @@ def choose_attention(name: str | AttentionBackend, *, kv_heads: int = 2, **shape
         return Choice(backend, attention_fn(backend))
     import jax
 
-    from kernels import selftest
+    from jaxserve.kernels import selftest
 
     platform = jax.default_backend()
     candidates = selftest.CANDIDATES.get(platform)

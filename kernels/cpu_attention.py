@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.cpu_library import library
-from kernels.metadata import AttentionMetadata, check_attention_inputs
+from jaxserve.kernels.cpu_library import library
+from jaxserve.kernels.metadata import AttentionMetadata, check_attention_inputs
 
 TARGET = "jaxserve_ragged_paged_attention"
 MAX_GROUPS = 16  # query heads per kv head

@@ -40,8 +40,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels.cpu_library import library
-from models import quant
+from jaxserve.kernels.cpu_library import library
+from jaxserve.models import quant
 
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)

@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.metadata import (
+from jaxserve.kernels.metadata import (
     AttentionMetadata,
     check_attention_inputs,
     folded_tiles,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.metadata import (
+from jaxserve.kernels.metadata import (
     AttentionMetadata,
     check_attention_inputs,
     fold_queries,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 
 
 def ragged_paged_attention_reference(

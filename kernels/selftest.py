@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from kernels import AttentionBackend, attention_fn, unavailable
-from models.cache import cache_home, source_digest
+from jaxserve.kernels import AttentionBackend, attention_fn, unavailable
+from jaxserve.models.cache import cache_home, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def make_batch(seqs, kv_heads: int, groups: int, head_dim: int, dtype, kv_dtype=
 def max_error(fn, q, k, v, layer, md, num_tokens: int, dtype) -> tuple[float, bool]:
     """(max abs error of `fn`'s rows against the float32 reference's, within TOLERANCE[dtype]);
     `fn` runs as it is (a compiled call, or jit it first)."""
-    from kernels.reference import ragged_paged_attention_reference
+    from jaxserve.kernels.reference import ragged_paged_attention_reference
 
     with jax.default_matmul_precision("float32"):
         want = jax.jit(ragged_paged_attention_reference)(

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import (
+from jaxserve.kernels.metadata import (
     AttentionMetadata,
     check_attention_inputs,
     fold_queries,

@@ -27,8 +27,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import AttentionMetadata, query_tiles
-from kernels.reference import ragged_paged_attention_reference
+from jaxserve.kernels.metadata import AttentionMetadata, query_tiles
+from jaxserve.kernels.reference import ragged_paged_attention_reference
 
 _MASKED = -1e30  # a masked score: finite, so a row with nothing seen yet never makes NaNs
 

@@ -19,7 +19,7 @@ import platform
 import shutil
 from typing import Any
 
-from models.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 _FORMAT = 3  # bump when the param layout changes, so stale entries are ignored

@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.kv_write import write_kv
-from kernels.metadata import AttentionMetadata
-from kernels.reference import ragged_paged_attention_reference
-from models.config import ModelConfig, rope_inv_freq
-from models.ordered import ordered_sum
-from models.quant import dequantize, is_quantized, requantize_q8
+from jaxserve.kernels.kv_write import write_kv
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.kernels.reference import ragged_paged_attention_reference
+from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.models.ordered import ordered_sum
+from jaxserve.models.quant import dequantize, is_quantized, requantize_q8
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]

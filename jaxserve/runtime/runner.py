@@ -25,6 +25,19 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop, Quantization
 from jaxserve.core.scheduler import PreemptionMode
+from jaxserve.kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul
+from jaxserve.kernels.cpu_matmul import block_matmul_or_none
+from jaxserve.kernels.selftest import describe_error
+from jaxserve.models import quant
+from jaxserve.models.llama import (
+    HEAD_BLOCKS,
+    Transformer,
+    head_blocks,
+    layout_params,
+    lm_logits,
+    split_layer_blocks,
+)
+from jaxserve.models.loader import LoadedModel
 from jaxserve.runtime import (
     compile_cache,
     distributed,
@@ -36,19 +49,6 @@ from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, po
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
-from kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul
-from kernels.cpu_matmul import block_matmul_or_none
-from kernels.selftest import describe_error
-from models import quant
-from models.llama import (
-    HEAD_BLOCKS,
-    Transformer,
-    head_blocks,
-    layout_params,
-    lm_logits,
-    split_layer_blocks,
-)
-from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from models import ordered
+from jaxserve.models import ordered
 
 
 @jax.tree_util.register_dataclass

@@ -32,6 +32,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.models import ordered
 from jaxserve.runtime import logits_processing
 from jaxserve.runtime.kv_cache import KVCache
 from jaxserve.runtime.sampling import (
@@ -41,8 +43,6 @@ from jaxserve.runtime.sampling import (
     row_keys,
     sampling_logits,
 )
-from kernels.metadata import AttentionMetadata
-from models import ordered
 
 # (draft kv, input ids (R,), metadata of R rows, want logits) -> (draft kv, logits (R, V)
 # float32, or None when not wanted)

@@ -12,7 +12,7 @@ def load_hf_model(model_path: str | None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models.loader import default_model_path
+    from jaxserve.models.loader import default_model_path
 
     path = model_path or default_model_path()
     if path.endswith(".gguf"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.metadata import AttentionMetadata
+from jaxserve.kernels.metadata import AttentionMetadata
 
 
 def ragged_metadata(seqs: list[tuple[int, int]], block_size: int = 16, seed: int = 0,

@@ -7,8 +7,8 @@ import jax
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import select_attention
-from kernels.mosaic_attention import supports
+from jaxserve.kernels import select_attention
+from jaxserve.kernels.mosaic_attention import supports
 from tests.helpers import run_all
 
 

@@ -9,7 +9,7 @@ import platform
 import jax
 import pytest
 
-from kernels import cpu_library
+from jaxserve.kernels import cpu_library
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
 

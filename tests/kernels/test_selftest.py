@@ -11,9 +11,9 @@ import os
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import AttentionBackend, choose_attention, cpu_library, selftest
-from kernels.pallas_attention import ragged_paged_attention
-from kernels.reference import ragged_paged_attention_reference
+from jaxserve.kernels import AttentionBackend, choose_attention, cpu_library, selftest
+from jaxserve.kernels.pallas_attention import ragged_paged_attention
+from jaxserve.kernels.reference import ragged_paged_attention_reference
 from tests.helpers import run_all
 
 SHAPES = dict(dtype="float32", head_dim=16, groups=2, block_size=16)  # the tiny Llama's

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import AttentionBackend, unavailable
+from jaxserve.kernels import AttentionBackend, unavailable
 
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
              token_buckets=(4, 32), seq_buckets=(4,), block_buckets=(8,),
