@@ -51,7 +51,7 @@ class LayerLoop(enum.StrEnum):
 
 
 class Quantization(enum.StrEnum):
-    AUTO = "auto"  # a GGUF's block-quantized projections stay in their blocks (models/quant.py)
+    AUTO = "auto"  # a GGUF's block-quantized projections stay in their blocks (kernels/quant.py)
     NONE = "none"  # every weight expanded to the float dtype at load
 
 

@@ -1,6 +1,6 @@
 """Matmuls on weights kept in GGUF blocks, as a C++ kernel for CPUs called through XLA's FFI.
 
-`models/quant.py` keeps a GGUF's projections as int8 codes with a float32 scale and minimum per
+`kernels/quant.py` keeps a GGUF's projections as int8 codes with a float32 scale and minimum per
 block of 32 inputs. The jnp path expands such a weight to float32 in memory before its dot, so
 a step writes and reads the expanded weights on top of streaming the codes. The kernel
 (`cpu/block_matmul.cc`) never makes float weights: it scales each block of 32 values of a row
@@ -40,8 +40,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kernels import quant
 from jaxserve.kernels.cpu_library import library
-from jaxserve.models import quant
 
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
@@ -107,7 +107,7 @@ def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
                  shape: tuple[int, ...] | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
     """x (M, prod(shape[:contract])) float32 @ the weight `w` (a quantized dict, see
-    models/quant.py) of `shape` (needed for the packed forms) -> (M, *shape[contract:])
+    kernels/quant.py) of `shape` (needed for the packed forms) -> (M, *shape[contract:])
     float32. With `layer`, `w` is a stack of layers' weights on a leading axis and the product
     is with layer `layer` of it, read in place: a scanned model passes its stacks whole
     instead of slicing (which XLA does as a copy of every layer's weights every step)."""

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from jaxserve.kernels import AttentionBackend, attention_fn, unavailable
-from jaxserve.models.cache import cache_home, source_digest
+from jaxserve.kernels.cache_dir import cache_home, source_digest
 
 log = logging.getLogger(__name__)
 

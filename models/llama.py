@@ -31,10 +31,10 @@ import numpy as np
 
 from jaxserve.kernels.kv_write import write_kv
 from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.kernels.quant import dequantize, is_quantized, requantize_q8
 from jaxserve.kernels.reference import ragged_paged_attention_reference
 from jaxserve.models.config import ModelConfig, rope_inv_freq
 from jaxserve.models.ordered import ordered_sum
-from jaxserve.models.quant import dequantize, is_quantized, requantize_q8
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
 
     def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
-        """A projection in the compute dtype. Stored GGUF blocks (models/quant.py) are
+        """A projection in the compute dtype. Stored GGUF blocks (kernels/quant.py) are
         dequantized here, inside the step, so only their int8 codes stream from memory (and,
         under nn.scan, are sliced out of the layer stacks, which XLA does by a copy)."""
         if self.has_variable("params", name):

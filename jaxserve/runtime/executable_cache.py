@@ -41,8 +41,8 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from jaxserve.models.cache import host_cpu
-from jaxserve.models.cache import source_digest as files_digest
+from jaxserve.kernels.cache_dir import host_cpu
+from jaxserve.kernels.cache_dir import source_digest as files_digest
 
 logger = logging.getLogger(__name__)
 

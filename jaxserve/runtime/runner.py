@@ -25,10 +25,9 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop, Quantization
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul
+from jaxserve.kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul, quant
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
 from jaxserve.kernels.selftest import describe_error
-from jaxserve.models import quant
 from jaxserve.models.llama import (
     HEAD_BLOCKS,
     Transformer,
@@ -165,7 +164,7 @@ class ModelRunner:
 
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
-            weights (models/quant.py) as they are, or expanded with quantization=none; with
+            weights (kernels/quant.py) as they are, or expanded with quantization=none; with
             the CPU block matmul, codes in the panels it reads (nibbles: half the bytes to
             stream) and the head as Q8 blocks, in pairs, where it is exactly that."""
             p = layout_params(p, cfg.num_layers, scan)

@@ -28,8 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.kernels.quant import is_quantized, map_planes
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.quant import is_quantized, map_planes
 
 AXIS = "model"
 Q_SPEC = P(None, AXIS, None)  # q / attention output (T, N, H): split by head

@@ -1,7 +1,7 @@
-// y = x @ w for a weight kept in GGUF blocks (models/quant.py), called from a jitted step
+// y = x @ w for a weight kept in GGUF blocks (kernels/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// Shapes (three handlers, one per form of the codes; models/quant.py makes them). Each
+// Shapes (three handlers, one per form of the codes; kernels/quant.py makes them). Each
 // handler takes a group of weights of one form that multiply the same x, one y each (see
 // Matmul); per weight:
 //   x      (M, K) float32
@@ -9,13 +9,13 @@
 //   scale  (K / 32, N) float32
 //   min    (K / 32, N) float32
 // or, BlockMatmulQ4, the codes as nibbles (values 0-15) two to a byte, in the order the
-// kernel reads them (models/quant.py's pack_nibbles makes it):
+// kernel reads them (kernels/quant.py's pack_nibbles makes it):
 //   q4     (N / 32, K / 2, 32) bytes  panel p, pair of rows kp: byte j holds, low nibble
 //          first, the codes of pair slots j and 32 + j, where slot 2c + e is q[2kp + e, 32p + c]
 //   scale  (N / 32, K / 32, 32) float16   scale[p, b, c] of column 32p + c
 //   min    (N / 32, K / 32, 32) float16
 //   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16))
-// or, BlockMatmulQ8, int8 codes in pairs of rows (models/quant.py's pack_pairs makes it):
+// or, BlockMatmulQ8, int8 codes in pairs of rows (kernels/quant.py's pack_pairs makes it):
 //   q8     (N / 32, K / 2, 64) int8   panel p, pair of rows kp: byte 2c + e holds
 //          q[2kp + e, 32p + c] (as uint32 words, (N / 32, K / 2, 16))
 //   scale  (N / 32, K / 32, 32) float32   scale[p, b, c] of column 32p + c

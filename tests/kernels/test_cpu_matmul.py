@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kernels import cpu_matmul
+from jaxserve.kernels import cpu_matmul, quant
 from jaxserve.kernels.cpu_matmul import (
     block_matmul,
     block_matmul_group,
@@ -19,7 +19,6 @@ from jaxserve.kernels.cpu_matmul import (
     fits,
     pack,
 )
-from jaxserve.models import quant
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import HEAD_BLOCKS, head_blocks, lm_logits
 from tests.kernels.test_cpu_library import FEWER, fewer_targets, x86

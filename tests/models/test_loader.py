@@ -65,7 +65,7 @@ def test_default_gguf_config(smollm):
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size) == (30, 9, 3, 576)
     assert cfg.tie_word_embeddings and "lm_head" not in smollm.params
     assert 2 in cfg.eos_token_ids
-    wq = smollm.params["layers"]["wq"]  # kept in its Q4_1 blocks (models/quant.py)
+    wq = smollm.params["layers"]["wq"]  # kept in its Q4_1 blocks (kernels/quant.py)
     assert wq["q"].shape == (30, 576, 9, 64) and wq["q"].dtype == np.int8
     assert wq["scale"].shape == wq["min"].shape == (30, 576 // 32, 9, 64)
 
@@ -193,7 +193,7 @@ def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_float_load(tmp_path,
     import gguf
     from gguf.quants import dequantize, quantize
 
-    from jaxserve.models.quant import dequantize_tree, is_quantized
+    from jaxserve.kernels.quant import dequantize_tree, is_quantized
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     cfg = load_model(tiny_llama_dir).config

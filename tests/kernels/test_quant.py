@@ -15,7 +15,7 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.models import quant
+from jaxserve.kernels import quant
 from jaxserve.models.llama import LAYER_BLOCKS
 from jaxserve.models.loader import default_model_path, load_model
 from tests.models.test_loader import _write_tiny_gguf
