@@ -15,7 +15,7 @@ import typing
 from typing import Any
 
 from jaxserve.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from jaxserve.kernels import AttentionBackend
+from jaxserve.kernels.attention.base import AttentionBackend
 
 
 def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.kv_write import write_kv
-from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.kernels.attention.kv_write import write_kv
+from jaxserve.kernels.attention.metadata import AttentionMetadata
+from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
 from jaxserve.kernels.quant import dequantize, is_quantized, requantize_q8
-from jaxserve.kernels.reference import ragged_paged_attention_reference
 from jaxserve.models.config import ModelConfig, rope_inv_freq
 from jaxserve.models.ordered import ordered_sum
 

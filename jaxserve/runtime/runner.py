@@ -25,9 +25,12 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop, Quantization
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul, quant
+from jaxserve.kernels import cpu_matmul, quant
+from jaxserve.kernels.attention import registry
+from jaxserve.kernels.attention.base import AttentionBackend
+from jaxserve.kernels.attention.choose import choose_attention
+from jaxserve.kernels.attention.selftest import describe_error
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
-from jaxserve.kernels.selftest import describe_error
 from jaxserve.models.llama import (
     HEAD_BLOCKS,
     Transformer,
@@ -135,8 +138,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         asked = None if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype)
         lc = loaded.config
-        # auto: a self-test on the device picks the backend (kernels/selftest.py), and names
-        # the one a step program that fails to compile for the kernel's sake falls back to.
+        # auto: a self-test on the device picks the backend (kernels/attention/selftest.py), and
+        # names the one a step program that fails to compile for the kernel's sake falls back to.
         self.attention = choose_attention(
             config.attention_backend, kv_heads=lc.num_kv_heads, dtype=self.dtype,
             head_dim=lc.head_dim, groups=lc.num_heads // lc.num_kv_heads,
@@ -521,7 +524,7 @@ class ModelRunner:
                    f"shapes ({why}); falling back to {fallback.value!r}")
         logger.warning("%s", message)
         warnings.warn(message, stacklevel=2)
-        self._use_attention(fallback, attention_fn(fallback))
+        self._use_attention(fallback, registry.backend(fallback).fn())
         self._make_step()
         return True
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.models import ordered
 from jaxserve.runtime import logits_processing
 from jaxserve.runtime.kv_cache import KVCache

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.metadata import AttentionMetadata
+from jaxserve.kernels.attention.base import AttentionBackend, Backend
+from jaxserve.kernels.attention.metadata import AttentionMetadata
 
 
 def ragged_paged_attention_reference(
@@ -48,3 +49,13 @@ def ragged_paged_attention_reference(
     out = jnp.einsum("tkgc,tckh->tkgh", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(t, n, h).astype(q.dtype)
+
+
+class ReferenceBackend(Backend):
+    name = AttentionBackend.REFERENCE
+
+    def fn(self):
+        return ragged_paged_attention_reference
+
+
+BACKEND = ReferenceBackend()
