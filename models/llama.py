@@ -8,10 +8,9 @@ Two layer loops, same maths (`scan_layers`):
   The program is small and compiles fast. Each iteration slices its layer's params out of the
   stacks, which XLA:CPU does as a copy; the projections kept for the CPU block matmul are
   therefore held apart (`split_layer_blocks`), passed to every iteration whole, and read by the
-  kernel at the layer's index in place (the copies took ~6.7 ms of a thread per batch-1 step,
-  though mostly beside the matmuls: 16-sequence decode gained ~4%).
+  kernel at the layer's index in place.
 - unrolled: L separate layers (`layers_0` ... params), each reading its own weight arrays in
-  place. A bigger program: ~3x the compile time, ~1.1x faster decode steps on a CPU.
+  place: faster decode steps on a CPU, for a bigger program, slower to compile.
 `layout_params` turns the loader's stacked tree into either layout.
 
 Either way the KV pool rides through the layers whole; each layer scatters into it at (layer,

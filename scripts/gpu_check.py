@@ -1,4 +1,4 @@
-"""One short, self-contained check for a machine with a GPU (about 4 minutes, no network).
+"""One short, self-contained check for a machine with a GPU (no network needed).
 
     python scripts/gpu_check.py                 # a random bf16 model of SmolLM2-135M's shapes
     python scripts/gpu_check.py --model PATH    # the engine section on a real model

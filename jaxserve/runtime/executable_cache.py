@@ -1,10 +1,10 @@
 """Compiled step programs kept on disk whole, so that a warm start neither traces nor lowers.
 
 JAX's persistent compilation cache (compile_cache.py) saves XLA's work, but it finds an entry by
-the program's HLO, so every start still traced and lowered the Flax model once per bucket: on a
-2-core CPU 0.33 s a program, 14 s of a 17 s warm start of 42 programs, against 3 s of loading
-executables. This cache stores each compiled executable (`jax.experimental.serialize_executable`)
-under a key of everything that decides the program, without building it:
+the program's HLO, so every start still traced and lowered the Flax model once per bucket, which
+took most of a warm start. This cache stores each compiled executable
+(`jax.experimental.serialize_executable`) under a key of everything that decides the program,
+without building it:
 
 - the source that builds the step: `jaxserve/runtime`, `jaxserve/config.py`, `models`,
   `kernels` (any edit there, C++ included, makes new keys);

@@ -355,8 +355,8 @@ class ModelRunner:
             pools = (KVCache(k, v), *pools[1:])
         def head_logits(x):
             # Under TP: computed split by vocabulary, then gathered once (left split, the
-            # sampler's sorts and reductions gather them 3 times; asked for replicated logits
-            # alone, XLA gathers the (V, D) embedding instead: measured).
+            # sampler's sorts and reductions gather them several times; asked for replicated
+            # logits alone, XLA gathers the (V, D) embedding instead).
             logits = lm_logits(self.model_config, x, params, self.block_matmul)
             return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
 
@@ -391,8 +391,8 @@ class ModelRunner:
                           max_logprobs: int) -> SamplerOutput:
         """Verify a step's proposals (runtime/speculative.py): its program has K > 0, which
         the host gives only a step that has some. (A step without runs the plain program:
-        choosing between the two inside one program, under a lax.cond, made every step of a
-        small batch ~10% slower on a CPU, measured.)"""
+        choosing between the two inside one program, under a lax.cond, slows every step of a
+        small batch on a CPU.)"""
         spec = inp.spec
         s, k1 = spec.verify_rows.shape
         if hidden.shape[0] <= s * k1:  # fewer query rows than row slots: the head on them all
