@@ -157,6 +157,17 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         layer_of("kernels.reference")
 
 
+def test_the_package_docstring_states_this_order():
+    """jaxserve/__init__.py lists the layers for a reader: the same ones, in the same order."""
+    import jaxserve
+
+    lines = [ln.strip().split("  ")[0] for ln in jaxserve.__doc__.splitlines()
+             if ln.startswith("    ")]
+    stated = [tuple("jaxserve" if n == "jaxserve" else f"jaxserve.{n.strip('/')}"
+                    for n in line.split(", ")) for line in lines]
+    assert stated == list(LAYERS)
+
+
 def test_pyproject_lists_every_package_folder():
     """A package folder missing from pyproject.toml's list would be missing from the wheel."""
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
