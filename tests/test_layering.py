@@ -45,6 +45,7 @@ def module_files() -> dict[str, str]:
             rel = os.path.relpath(d, folder)
             package = name if rel == "." else f"{name}.{rel.replace(os.sep, '.')}"
             if package in roots and package != name:  # a mapped package: walked as its own root
+                subdirs[:] = []
                 continue
             for f in files:
                 if f.endswith(".py"):
