@@ -1,15 +1,23 @@
 """jaxserve: an LLM inference engine on JAX/XLA with continuous batching over a paged KV cache.
 
-Packages, lowest layer first (each imports only from the ones before it):
+Packages, lowest layer first; each imports only from its own layer and the ones before it
+(tests/test_layering.py checks the module graph):
 
+    jaxserve   this file: the version and the public names, which load lazily, by name
     core/      sequences, block manager, swap space, scheduler, sampling params, outputs (no jax)
+    kernels/   attention backends (one contract, one module each), CPU kernels, quantized weights
+    models/    the Flax decoder, ModelConfig, weight loading and its cache
+    config     EngineConfig and the command-line options derived from it
     runtime/   the device side: KV pool arrays, step inputs, sampling, the compiled model runner
     engine/    LLMEngine (schedule -> run -> postprocess), the offline LLM, metrics, profiling
-    serving/   the engine thread, socket protocol and server, clients, OpenAI HTTP, Prometheus
+    testing/   the scheduler simulator and the HF transformers oracle
+    serving/   one serving core; the socket and OpenAI HTTP fronts on it; clients, Prometheus
     bench/     workloads, drivers (in process, socket, HF baselines), reports, plots
-    testing/   helpers shared by tests and scripts (scheduler simulator, ragged metadata, oracle)
+    __main__, launch   the command line
 
-The public names below load lazily, so `import jaxserve.core.scheduler` does not import jax.
+kernels/ and models/ sit beside this folder in a checkout and install as jaxserve.kernels and
+jaxserve.models. The public names below load lazily, so `import jaxserve.core.scheduler` does
+not import jax.
 """
 
 from __future__ import annotations

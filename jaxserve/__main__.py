@@ -7,6 +7,9 @@ import argparse
 import sys
 import time
 
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.launch import launch as run
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
@@ -34,13 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="-- then the script and its arguments")
     args = ap.parse_args(argv)
     if args.command == "launch":
-        from jaxserve.launch import launch as run
-
         script = args.script[1:] if args.script[:1] == ["--"] else args.script
         return run(args.num_processes, script, args.cpu_devices_per_process,
                    args.coordinator_port)
-
-    from jaxserve import EngineConfig, LLMEngine, SamplingParams
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048,

@@ -15,7 +15,7 @@ import typing
 from typing import Any
 
 from jaxserve.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from kernels import AttentionBackend
+from jaxserve.kernels.attention.base import AttentionBackend
 
 
 def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -51,7 +51,7 @@ class LayerLoop(enum.StrEnum):
 
 
 class Quantization(enum.StrEnum):
-    AUTO = "auto"  # a GGUF's block-quantized projections stay in their blocks (models/quant.py)
+    AUTO = "auto"  # a GGUF's block-quantized projections stay in their blocks (kernels/quant.py)
     NONE = "none"  # every weight expanded to the float dtype at load
 
 
@@ -63,16 +63,13 @@ class EngineConfig:
                                 "(auto: bfloat16 on a GPU/TPU, float32 on a CPU)")
     kv_cache_dtype: str = option(
         "auto", f"KV pool dtype, one of {', '.join(DTYPES)} (auto: float16 under a float32 "
-                "model on the cpu attention backend, else the dtype's). A float16 or bfloat16 "
-                "pool under a float32 model halves what attention reads, and holds twice the "
-                "tokens in the same bytes (the cpu and jnp attention backends)")
+                "model on the cpu attention backend, else the dtype's): a half-precision pool "
+                "halves what attention reads and holds twice the tokens (cpu and jnp backends)")
     max_model_len: int = option(2048, "longest sequence (prompt + output) a request may reach")
     max_num_seqs: int | None = option(
-        None, "most sequences in one step (the running set) (default: 16 on a CPU, 64 "
-              "elsewhere; at most max_num_batched_tokens). A CPU's decode step is "
-              "compute-bound past ~16 rows, so more running sequences share the same "
-              "throughput, each slower: on bench.py --rate 8, 16 gave lower TTFT, TPOT and "
-              "E2E than 64 at the same or higher tok/s")
+        None, "most sequences in one step (default: 16 on a CPU, 64 elsewhere; at most "
+              "max_num_batched_tokens): a CPU's decode step is compute-bound at a few rows, "
+              "so more sequences there each run slower for no more throughput")
     max_num_batched_tokens: int = option(512, "token budget of one step (prefill + decode)")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(
@@ -83,10 +80,9 @@ class EngineConfig:
         None, "fraction of accelerator memory for params + KV pool; needs device memory "
               "statistics (GPUs report them), elsewhere kv_cache_memory_bytes applies")
     token_buckets: tuple[int, ...] | None = option(
-        None, "padded token counts to compile (default: powers of two from 1 up to the "
-              "budget, 1.5x each power of two from 8 below max_num_seqs, where decode "
-              "steps run, and max_num_seqs itself; a decode step of one sequence runs ~3x "
-              "faster at 1 token than padded to 8)")
+        None, "padded token counts to compile (default: powers of two up to the budget, plus "
+              "the sizes between them below max_num_seqs and max_num_seqs itself, where decode "
+              "steps run): a step costs its bucket's size, so close buckets waste less")
     seq_buckets: tuple[int, ...] | None = option(
         None, "padded sequence counts; a step of T padded tokens pads its sequences to the "
               "smallest of these >= min(T, max_num_seqs), so each token bucket has one "
@@ -103,26 +99,20 @@ class EngineConfig:
            "its prompt's prefix, else to the least-loaded one")
     strict_compile: bool = option(False, "raise if any program compiles after warmup()")
     async_scheduling: bool | None = option(
-        None, "overlap host and device: schedule and launch step N+1 before step N's tokens "
-              "are read back (decode inputs come from the device-side tokens), so the host's "
-              "work hides under the device's step; the tokens are the same either way "
-              "(default: on with an accelerator, off on a CPU, where host and device share "
-              "the same cores and overlapping them was measured slower)")
+        None, "launch step N+1 before step N's tokens are read back, so the host's work "
+              "hides under the device's step; same tokens either way (default: on with an "
+              "accelerator, off on a CPU, where host and device share the cores)")
     compilation_cache_dir: str | None = option(
         None, "persistent XLA compilation cache, so a second start loads its programs "
               "(default: $JAXSERVE_CACHE_DIR/xla or ~/.cache/jaxserve/xla; '' turns it off)")
     layer_loop: LayerLoop = option(
-        LayerLoop.SCAN, "how the compiled step runs the layers: scan (one layer body; the "
-                        "CPU kernel reads its weights at the layer's index, others are sliced "
-                        "out by a copy) or unroll (one body per "
-                        "layer reading its weights in place: on a CPU ~1.1x faster decode "
-                        "steps, but ~3x the compile time and ~4x the time to load a program "
-                        "from the compilation cache)")
+        LayerLoop.SCAN, "how the step runs the layers: scan (one layer body: small programs, "
+                        "quick to compile and load) or unroll (a body per layer reading its "
+                        "weights in place: faster steps, slower to compile and load)")
     quantization: Quantization = option(
-        Quantization.AUTO, "auto: a GGUF's layer projections in Q8_0, Q4_0 or Q4_1 stay in "
-                           "their blocks on the device (a quarter of the float32 bytes) and "
-                           "each step dequantizes them exactly before its matmuls, so outputs "
-                           "are those of the float weights; none: expand them at load")
+        Quantization.AUTO, "auto: a GGUF's Q8_0, Q4_0 and Q4_1 layer projections stay in "
+                           "their blocks, so steps stream fewer bytes, and are dequantized "
+                           "exactly inside the step; none: expand them at load")
     attention_backend: AttentionBackend = option(
         AttentionBackend.AUTO, "paged attention kernel (auto: on a GPU the fastest of "
                                "mosaic, triton, pallas and xla that passes a self-test on the "
@@ -168,7 +158,7 @@ class EngineConfig:
     prompt_lookup_max: int = option(4, "ngram: longest suffix matched (tried first)")
     speculative_adaptive: bool = option(
         True, "choose each step's number of proposed tokens (0 included) from the batch, the "
-              "token budget, the measured acceptance rate and the measured step times, so "
+              "token budget, the acceptance rate and the step times seen so far, so "
               "speculation stops where the batch is compute-bound; off: always the most")
 
     def __post_init__(self):
@@ -273,14 +263,11 @@ class EngineConfig:
     def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(token, sequence, blocks-per-sequence) buckets; each ends at its limit."""
         self._resolved()
-        # Decode steps dominate a serving run and their cost grows with the padded row count:
-        # on bench.py's workload (SmolLM2-135M, CPU) the 1.5x sizes cut the decode steps' time
-        # ~10% for ~30% more programs to compile once.
+        # Decode steps dominate a serving run and cost their padded row count: the sizes
+        # between the powers of two pad them less, for a few more programs compiled once.
         mid = _midpoints(self.max_num_seqs)
         # A step in which every running sequence decodes is the commonest step of a loaded
-        # server: its token count gets a bucket of its own, so max_num_seqs 12 does not run
-        # those steps padded to 16 rows (measured, 12 sequences decoding on a 2-core CPU,
-        # three interleaved rounds: 265-283 tok/s in their own bucket vs 205-239 padded).
+        # server: its token count gets a bucket of its own (docs/performance.md has figures).
         tokens = self.token_buckets or (_pow2_range(1, self.max_num_batched_tokens) + mid
                                         + (self.max_num_seqs,))
         seqs = self.seq_buckets or _pow2_range(1, self.max_num_seqs) + mid

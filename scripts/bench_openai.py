@@ -19,14 +19,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.bench_generate import make_prompts  # noqa: E402
+from bench_generate import make_prompts  # a sibling script
 
 #: One free-text field: the answer runs to max_tokens as an unconstrained one would, so the two
 #: runs differ only by the grammar's work.

@@ -18,10 +18,6 @@ proposals and their mean k.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxserve import EngineConfig, LLMEngine  # noqa: E402
 from jaxserve.bench import drivers, report  # noqa: E402
@@ -76,7 +72,7 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None,
                     help="draft: the draft model's path (default: the target's)")
     args = ap.parse_args()
-    from models.loader import load_model
+    from jaxserve.models.loader import load_model
 
     loaded = load_model()
     tok = loaded.tokenizer

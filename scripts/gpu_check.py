@@ -1,10 +1,10 @@
-"""One short, self-contained check for a machine with a GPU (about 4 minutes, no network).
+"""One short, self-contained check for a machine with a GPU (no network needed).
 
     python scripts/gpu_check.py                 # a random bf16 model of SmolLM2-135M's shapes
     python scripts/gpu_check.py --model PATH    # the engine section on a real model
     python scripts/gpu_check.py --dry-run       # on a CPU: interpreters, tiny shapes
 
-1. Self-test: `auto`'s choice (kernels/selftest.py) at the engine model's head shapes in
+1. Self-test: `auto`'s choice (kernels/attention/selftest.py) at the engine model's head shapes in
    bfloat16 and float32: each candidate's pass or fail (with why) and its times.
 2. Correctness: every backend x dtype x head shape against the float32 reference on a mixed
    ragged batch (prefill chunks and decodes over shuffled pages); a skipped one says why.
@@ -34,14 +34,14 @@ import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # JAX takes 75% of the GPU at start by default; torch's peer needs room of its own.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels import AttentionBackend, attention_fn, selftest, unavailable  # noqa: E402
+from jaxserve.kernels.attention import registry, selftest  # noqa: E402
+from jaxserve.kernels.attention.base import AttentionBackend  # noqa: E402
 
 say = functools.partial(print, flush=True)
 PEAK_HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e11}
@@ -65,15 +65,15 @@ def backend_fns(dry_run: bool) -> tuple[dict, dict]:
     """(name -> attention fn, name -> why it cannot run here at all)."""
     fns, missing = {}, {}
     for b in BACKENDS:
-        why = unavailable(b)
+        why = registry.backend(b).unavailable()
         if why and dry_run and b is AttentionBackend.MOSAIC:  # Pallas' GPU interpreter
-            from kernels.mosaic_attention import ragged_paged_attention_mosaic
+            from jaxserve.kernels.attention.mosaic import ragged_paged_attention_mosaic
 
             fns[b.value] = functools.partial(ragged_paged_attention_mosaic, interpret=True)
         elif why:
             missing[b.value] = why
         else:
-            fns[b.value] = attention_fn(b)
+            fns[b.value] = registry.backend(b).fn()
     return fns, missing
 
 
@@ -84,11 +84,11 @@ def skip_reason(name: str, missing: dict, dtype: str, kv_heads: int, groups: int
     if name in missing:
         return missing[name]
     if name == AttentionBackend.MOSAIC:
-        from kernels.mosaic_attention import supports
+        from jaxserve.kernels.attention.mosaic import supports
 
         return supports(dtype, head_dim, groups, 16)
-    return unavailable(AttentionBackend(name), dtype=dtype, head_dim=head_dim, groups=groups,
-                       block_size=16)
+    return registry.backend(name).unavailable(dtype=dtype, head_dim=head_dim, groups=groups,
+                                              block_size=16)
 
 
 # --------------------------------------------------------------------------------- sections
@@ -209,8 +209,8 @@ def make_tokenizer(vocab_size: int, dry_run: bool):
         try:
             from gguf import GGUFReader
 
-            from models.gguf_tokenizer import build_tokenizer
-            from models.loader import default_model_path
+            from jaxserve.models.gguf_tokenizer import build_tokenizer
+            from jaxserve.models.loader import default_model_path
 
             reader = GGUFReader(default_model_path())
             return build_tokenizer({k: f.contents() for k, f in reader.fields.items()
@@ -229,9 +229,9 @@ def make_tokenizer(vocab_size: int, dry_run: bool):
 
 def decode_inputs(runner, b: int, ctx: int):
     """One decode step of `b` sequences at position `ctx`, padded to its buckets."""
+    from jaxserve.kernels.attention.metadata import AttentionMetadata
     from jaxserve.runtime.sampling import SamplingInputs
     from jaxserve.runtime.step_inputs import StepInputs, empty_spec_inputs, seq_bucket
-    from kernels.metadata import AttentionMetadata
 
     tok, seq, blk = runner.buckets
     t = min(x for x in tok if x >= b)

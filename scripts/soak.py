@@ -33,8 +33,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from jaxserve.serving.protocol import ProtocolError, encode, read_frame  # noqa: E402
 
 PROMPTS = ("Tell me about the sea.", "Write a haiku about rain.", "What is 2 + 2?",

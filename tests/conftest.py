@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
+
+# The checkout's root is on sys.path for `tests`, but after site-packages: its kernels/ folder
+# (installed as jaxserve.kernels) would otherwise be found as `kernels`, the import name of
+# Hugging Face's kernels distribution, which transformers imports. `python -m pytest` puts the
+# root first; pytest itself, in append mode, last.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT] + [ROOT]
 
 # Four CPU devices for the tensor-parallel tests (set before jax is imported; a single-device
 # engine still runs on the first). A flag given from outside wins.
@@ -26,7 +34,7 @@ TINY_ARCHS = ("llama", "qwen2", "mistral")
 @pytest.fixture(scope="session")
 def smollm():
     """The default model (SmolLM2-135M-Instruct GGUF), loaded once for the whole run."""
-    from models.loader import load_model
+    from jaxserve.models.loader import load_model
 
     return load_model()
 
@@ -60,8 +68,8 @@ def _write_tiny_llama(d, vocab_size: int, seed: int) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from models.config import ModelConfig
-    from models.loader import expected_hf_shapes
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.loader import expected_hf_shapes
 
     hf = dict(architectures=["LlamaForCausalLM"], vocab_size=vocab_size, hidden_size=64,
               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

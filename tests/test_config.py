@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.config import EngineConfig, add_options, from_options
 from jaxserve.core.scheduler import PreemptionMode, SchedulingPolicy
-from kernels import AttentionBackend
+from jaxserve.kernels.attention.base import AttentionBackend
 
 
 def test_max_num_seqs_defaults_per_platform_within_the_budget():

@@ -33,6 +33,9 @@ from jaxserve.bench import drivers, plots, report, roofline
 from jaxserve.bench.workload import WorkloadConfig, make_workload
 from jaxserve.config import EngineConfig, add_options, from_options
 from jaxserve.core.scheduler import SchedulingPolicy
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
+from jaxserve.models.loader import load_model
 
 # The workload's seed has the --seed flag; the engine's seed only matters for sampled requests,
 # and the bench's requests are greedy.
@@ -92,10 +95,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     progress = not args.no_progress
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
-    from models.loader import load_model
-
     if args.profiler_port:
         start_profiler_server(args.profiler_port)
     wcfg = from_options(WorkloadConfig, args)
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
                 profiler.stop()
             summaries = {"jaxserve": report.summarize(res, dur, workload, samples)}
             _plot(plots.plot_distributions, {"jaxserve": res}, out("latency.png"))
-        shown = [drivers.request_id(r) for r in workload[:args.timeline_requests]]
+        shown = [r.request_id for r in workload[:args.timeline_requests]]
         _plot(plots.plot_timeline, engine.step_trace[:200], out("timeline.png"),
               engine.config.max_num_seqs, shown)
         floor = roofline.decode_vs_floor(engine)

@@ -9,22 +9,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxserve.bench import hf_baselines
 from jaxserve.bench.report import summarize
-from jaxserve.bench.workload import BenchRequest
+from jaxserve.bench.workload import BenchRequest, progress_bar
 from jaxserve.core.outputs import RequestMetrics
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulingPolicy
-
-
-def progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", disable=not enabled)
-
-
-def request_id(r: BenchRequest) -> str:
-    return f"bench-{r.index}" + (f"-t{r.turn}" if r.turn else "")
-
+from jaxserve.serving.client import AsyncClient, ServerError
+from jaxserve.testing.oracle import load_hf_model
 
 # Engine counters a run reports as differences between its start and its end:
 # {name in the summary: key of metrics_snapshot()}.
@@ -47,8 +39,8 @@ def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
     Returns (metrics per request and turn, in workload order, duration, engine samples: per
     step, and the counters' differences over the run)."""
     pending = sorted(workload, key=lambda r: r.arrival_s)
-    by_id = {request_id(r): r for r in workload}
-    order = [request_id(r) for r in workload]
+    by_id = {r.request_id: r for r in workload}
+    order = [r.request_id for r in workload]
     results: dict[str, RequestMetrics] = {}
     first_step = engine.metrics.num_steps
     before = engine.metrics_snapshot()
@@ -62,7 +54,7 @@ def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
                            else pending[0].arrival_s <= now):
             r = pending.pop(0)
             arrival = time.perf_counter() if concurrency else t0 + r.arrival_s
-            rid = request_id(r)
+            rid = r.request_id
             params = SamplingParams(temperature=0, max_tokens=r.max_tokens,
                                     ignore_eos=ignore_eos)
             try:
@@ -82,8 +74,8 @@ def run_engine(engine, workload: list[BenchRequest], progress: bool = True,
                 r = by_id[out.request_id]
                 if r.followups and out.metrics.error is None:
                     nxt = r.next_turn(out.outputs[0].token_ids, time.perf_counter() - t0)
-                    by_id[request_id(nxt)] = nxt
-                    order.append(request_id(nxt))
+                    by_id[nxt.request_id] = nxt
+                    order.append(nxt.request_id)
                     pending.insert(0, nxt)
         steps += 1
         if on_step is not None:
@@ -104,10 +96,8 @@ def run_server(port: int, workload: list[BenchRequest], host: str = "127.0.0.1",
                concurrency: int | None = None, progress: bool = True):
     """Send the workload over the socket protocol: open loop at arrival times, or closed loop
     with `concurrency` clients each sending one request after another."""
-    from jaxserve.serving.client import AsyncClient, ServerError
-
     async def one(client, r: BenchRequest) -> RequestMetrics:
-        res = RequestMetrics(request_id(r), time.perf_counter(), len(r.prompt_token_ids))
+        res = RequestMetrics(r.request_id, time.perf_counter(), len(r.prompt_token_ids))
         try:
             async for f in client.generate_stream(prompt_token_ids=r.prompt_token_ids,
                                                   max_tokens=r.max_tokens, temperature=0,
@@ -139,7 +129,7 @@ def run_server(port: int, workload: list[BenchRequest], host: str = "127.0.0.1",
             for c in clients:
                 await c.close()
             by_id = {m.request_id: m for p in parts for m in p}
-            return [by_id[request_id(r)] for r in workload], time.perf_counter() - t0
+            return [by_id[r.request_id] for r in workload], time.perf_counter() - t0
         client = await AsyncClient(host, port).connect()
 
         async def at_arrival(r):
@@ -167,14 +157,10 @@ def compare(engine_factory: Callable[[str], Any], workload: list[BenchRequest],
 
     `engine_factory(policy)` gives a warmed-up engine. Returns ({system: summary},
     {system: per-request metrics})."""
-    from jaxserve.bench import hf_baselines
-
     out, raw = {}, {}
     for system in systems:
         if system.startswith("hf"):
             try:
-                from jaxserve.testing.oracle import load_hf_model
-
                 model = load_hf_model(model_path)
             except ImportError as e:
                 log(f"{system}: skipped, torch/transformers are missing ({e})")

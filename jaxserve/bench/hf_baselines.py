@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import time
 
-from jaxserve.bench.drivers import progress_bar, request_id
-from jaxserve.bench.workload import BenchRequest
+from jaxserve.bench.workload import BenchRequest, progress_bar
 from jaxserve.core.outputs import RequestMetrics
 
 
@@ -54,15 +53,15 @@ def run_static(model, workload: list[BenchRequest], batch_size: int = 8, progres
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=0, streamer=streamer)
         for r in batch:
-            results[request_id(r)] = RequestMetrics(
-                request_id(r), t0 + r.arrival_s, len(r.prompt_token_ids),
+            results[r.request_id] = RequestMetrics(
+                r.request_id, t0 + r.arrival_s, len(r.prompt_token_ids),
                 first_scheduled_time=started,
                 token_times=streamer.times[:r.max_tokens],  # its own; the rest is batch waste
                 finished_time=streamer.times[-1],  # answered when the batch returns
                 finish_reason="length")
         bar.update(len(batch))
     bar.close()
-    return [results[request_id(r)] for r in workload], time.perf_counter() - t0
+    return [results[r.request_id] for r in workload], time.perf_counter() - t0
 
 
 def run_continuous(model, workload: list[BenchRequest], progress: bool = True):
@@ -90,10 +89,10 @@ def run_continuous(model, workload: list[BenchRequest], progress: bool = True):
             now = time.perf_counter()
             while pending and t0 + pending[0].arrival_s <= now:
                 r = pending.pop(0)
-                manager.add_request(r.prompt_token_ids, request_id=request_id(r),
+                manager.add_request(r.prompt_token_ids, request_id=r.request_id,
                                     max_new_tokens=r.max_tokens, record_timestamps=True,
                                     eos_token_id=-1)
-                sent[request_id(r)] = t0 + r.arrival_s
+                sent[r.request_id] = t0 + r.arrival_s
             out = manager.get_result(timeout=0.01)
             if out is not None and out.is_finished():
                 done[out.request_id] = out
@@ -104,7 +103,7 @@ def run_continuous(model, workload: list[BenchRequest], progress: bool = True):
     bar.close()
     results = []
     for r in workload:
-        rid = request_id(r)
+        rid = r.request_id
         out = done[rid]
         times = list(out.timestamps or [])
         if len(times) != len(out.generated_tokens):

@@ -4,8 +4,7 @@ both measured in the same process:
   least once, so that read bounds it where compute outruns memory (small batches);
 - arithmetic: the time the step's multiply-adds (its rows through the projections and the
   head) take at the fastest rate a float32 matmul reaches here. It bounds a step whose rows
-  are many enough that the multiplies outlast the read (on a 2-core AVX2 CPU, from ~5 rows of
-  the default model on).
+  are many enough that the multiplies outlast the read (on a CPU, from a few rows on).
 The ratios say how much of a step is something else (attention, sampling, small-matmul
 inefficiency, overheads).
 """
@@ -16,17 +15,17 @@ import statistics
 import time
 from collections import Counter
 
+from jaxserve.models.llama import HEAD_BLOCKS
+
 
 def weight_stream_seconds(params, repeats: int = 9) -> float:
     """Fastest of `repeats` jitted passes that read every weight once: the best the memory
     system does, as a floor should be. XLA:CPU's reductions read some dtypes and layouts at
-    well under the memory's speed (measured here: the 168 MB of int8 codes and float32 scales
-    at 11.5 GB/s as a float32 sum but ~3 as uint32 words; the 102 MB of uint32 nibble planes at
-    ~6 GB/s as uint32 words but ~3.7 as a float32 sum), so each pass is timed three ways:
-    every array summed in float32, every array summed as uint32 words, and each array by its
-    width (narrow codes in float32, words as words); the fastest counts. (A tree of both kinds,
-    int8 codes and uint32 planes, read only one way, looked ~2x slower than the memory: a
-    floor that changed with the layout rather than with the machine.)"""
+    well under the memory's speed (int8 codes fast as a float32 sum, slow as uint32 words;
+    uint32 nibble planes the other way round), so each pass is timed three ways: every array
+    summed in float32, every array summed as uint32 words, and each array by its width (narrow
+    codes in float32, words as words); the fastest counts, so the floor changes with the
+    machine, not with the weights' layout."""
     import jax
     import jax.numpy as jnp
 
@@ -70,7 +69,7 @@ def matmul_rate(repeats: int = 9, size: int = 1024) -> float:
     """Multiply-adds per second of XLA's float32 matmul on a (size, size) square, the fastest
     of `repeats`: the rate the machine's multiply units give this process. (The CPU kernel's
     integer products run at about the same rate per instruction slot: AVX2's vpmaddwd and two
-    float FMAs are 16 multiply-adds a cycle each on the CPUs measured.)"""
+    float FMAs do as many multiply-adds a cycle.)"""
     import jax
     import jax.numpy as jnp
 
@@ -88,8 +87,6 @@ def streamed_params(params: dict, tied: bool) -> dict:
     """The params a decode step reads whole: all but the embedding table, of which a lookup
     reads only its rows, unless that table is also the (tied) head the step multiplies by.
     Where the head's Q8 blocks are there (models/llama.py's HEAD_BLOCKS) they are the head."""
-    from models.llama import HEAD_BLOCKS
-
     drop = {"embed", "lm_head"} if HEAD_BLOCKS in params else set() if tied else {"embed"}
     return {k: v for k, v in params.items() if k not in drop}
 

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxserve.config import option
 
@@ -48,11 +49,21 @@ class BenchRequest:
     followups: tuple[list[int], ...] = ()  # user messages of the conversation's later turns
     turn: int = 0
 
+    @property
+    def request_id(self) -> str:
+        """Its id in every driver: one per request and turn."""
+        return f"bench-{self.index}" + (f"-t{self.turn}" if self.turn else "")
+
     def next_turn(self, answer: list[int], arrival_s: float) -> BenchRequest:
         """The conversation's next request: this prompt + its answer + the next message."""
         return dataclasses.replace(
             self, arrival_s=arrival_s, followups=self.followups[1:], turn=self.turn + 1,
             prompt_token_ids=self.prompt_token_ids + list(answer) + self.followups[0])
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A bar over a run's requests, for every driver alike (off: it draws nothing)."""
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled)
 
 
 def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:

@@ -50,8 +50,7 @@ def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 
 # A step's fixed cost in token rows, for Scheduler._fit_bucket: on a CPU, where the cut is made,
-# a step streams every weight once whatever its rows (~10 ms for SmolLM2-135M, measured), about
-# what 8 prompt rows cost.
+# a step streams every weight once whatever its rows, about what 8 prompt rows cost.
 _STEP_ROWS = 8
 
 

@@ -16,7 +16,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.core.router import Router
 from jaxserve.engine.llm_engine import LLMEngine
-from models.loader import LoadedModel, load_model
+from jaxserve.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 

@@ -42,9 +42,9 @@ from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
+from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.runtime.runner import ModelRunner, RecompileError, StepResult
 from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
-from models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import os
 
 import jax
 
-from models.cache import cache_home
+from jaxserve.kernels.cache_dir import cache_home
 
 logger = logging.getLogger(__name__)
 

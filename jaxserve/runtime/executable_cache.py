@@ -1,10 +1,10 @@
 """Compiled step programs kept on disk whole, so that a warm start neither traces nor lowers.
 
 JAX's persistent compilation cache (compile_cache.py) saves XLA's work, but it finds an entry by
-the program's HLO, so every start still traced and lowered the Flax model once per bucket: on a
-2-core CPU 0.33 s a program, 14 s of a 17 s warm start of 42 programs, against 3 s of loading
-executables. This cache stores each compiled executable (`jax.experimental.serialize_executable`)
-under a key of everything that decides the program, without building it:
+the program's HLO, so every start still traced and lowered the Flax model once per bucket, which
+took most of a warm start. This cache stores each compiled executable
+(`jax.experimental.serialize_executable`) under a key of everything that decides the program,
+without building it:
 
 - the source that builds the step: `jaxserve/runtime`, `jaxserve/config.py`, `models`,
   `kernels` (any edit there, C++ included, makes new keys);
@@ -41,8 +41,8 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from models.cache import host_cpu
-from models.cache import source_digest as files_digest
+from jaxserve.kernels.cache_dir import host_cpu
+from jaxserve.kernels.cache_dir import source_digest as files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _count_hit(name: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_hit)
 
 # The code that builds a step program: the runtime, the models, the kernels, the buckets.
-_SOURCES = ("jaxserve/runtime", "jaxserve/config.py", "models", "kernels")
+_SOURCES = ("jaxserve.runtime", "jaxserve.config", "jaxserve.models", "jaxserve.kernels")
 _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
                 "jax_threefry_partitionable")
 
@@ -67,7 +67,11 @@ _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_p
 def source_digest() -> str:
     """sha256 over the source that builds the step (Python, and the C++ kernels it calls)."""
     root = os.path.dirname(os.path.dirname(importlib.util.find_spec("jaxserve").origin))
-    return files_digest(root, _SOURCES)
+    # A package's folder, a module's file: where they are installed, which for kernels and
+    # models is beside jaxserve/ in a source tree and inside it in a wheel.
+    paths = [importlib.util.find_spec(m).origin for m in _SOURCES]
+    paths = [os.path.dirname(p) if p.endswith("__init__.py") else p for p in paths]
+    return files_digest(root, [os.path.relpath(p, root) for p in paths])
 
 
 def abstract(tree) -> str:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,21 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, LayerLoop, Quantization
 from jaxserve.core.scheduler import PreemptionMode
+from jaxserve.kernels import cpu_matmul, quant
+from jaxserve.kernels.attention import registry
+from jaxserve.kernels.attention.base import AttentionBackend
+from jaxserve.kernels.attention.choose import choose_attention
+from jaxserve.kernels.attention.selftest import describe_error
+from jaxserve.kernels.cpu_matmul import block_matmul_or_none
+from jaxserve.models.llama import (
+    HEAD_BLOCKS,
+    Transformer,
+    head_blocks,
+    layout_params,
+    lm_logits,
+    split_layer_blocks,
+)
+from jaxserve.models.loader import LoadedModel
 from jaxserve.runtime import (
     compile_cache,
     distributed,
@@ -36,19 +51,6 @@ from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, po
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
 from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
-from kernels import AttentionBackend, attention_fn, choose_attention, cpu_matmul
-from kernels.cpu_matmul import block_matmul_or_none
-from kernels.selftest import describe_error
-from models import quant
-from models.llama import (
-    HEAD_BLOCKS,
-    Transformer,
-    head_blocks,
-    layout_params,
-    lm_logits,
-    split_layer_blocks,
-)
-from models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +138,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         asked = None if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype)
         lc = loaded.config
-        # auto: a self-test on the device picks the backend (kernels/selftest.py), and names
-        # the one a step program that fails to compile for the kernel's sake falls back to.
+        # auto: a self-test on the device picks the backend (kernels/attention/selftest.py), and
+        # names the one a step program that fails to compile for the kernel's sake falls back to.
         self.attention = choose_attention(
             config.attention_backend, kv_heads=lc.num_kv_heads, dtype=self.dtype,
             head_dim=lc.head_dim, groups=lc.num_heads // lc.num_kv_heads,
@@ -165,7 +167,7 @@ class ModelRunner:
 
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
-            weights (models/quant.py) as they are, or expanded with quantization=none; with
+            weights (kernels/quant.py) as they are, or expanded with quantization=none; with
             the CPU block matmul, codes in the panels it reads (nibbles: half the bytes to
             stream) and the head as Q8 blocks, in pairs, where it is exactly that."""
             p = layout_params(p, cfg.num_layers, scan)
@@ -353,8 +355,8 @@ class ModelRunner:
             pools = (KVCache(k, v), *pools[1:])
         def head_logits(x):
             # Under TP: computed split by vocabulary, then gathered once (left split, the
-            # sampler's sorts and reductions gather them 3 times; asked for replicated logits
-            # alone, XLA gathers the (V, D) embedding instead: measured).
+            # sampler's sorts and reductions gather them several times; asked for replicated
+            # logits alone, XLA gathers the (V, D) embedding instead).
             logits = lm_logits(self.model_config, x, params, self.block_matmul)
             return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
 
@@ -389,8 +391,8 @@ class ModelRunner:
                           max_logprobs: int) -> SamplerOutput:
         """Verify a step's proposals (runtime/speculative.py): its program has K > 0, which
         the host gives only a step that has some. (A step without runs the plain program:
-        choosing between the two inside one program, under a lax.cond, made every step of a
-        small batch ~10% slower on a CPU, measured.)"""
+        choosing between the two inside one program, under a lax.cond, slows every step of a
+        small batch on a CPU.)"""
         spec = inp.spec
         s, k1 = spec.verify_rows.shape
         if hidden.shape[0] <= s * k1:  # fewer query rows than row slots: the head on them all
@@ -522,7 +524,7 @@ class ModelRunner:
                    f"shapes ({why}); falling back to {fallback.value!r}")
         logger.warning("%s", message)
         warnings.warn(message, stacklevel=2)
-        self._use_attention(fallback, attention_fn(fallback))
+        self._use_attention(fallback, registry.backend(fallback).fn())
         self._make_step()
         return True
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from models import ordered
+from jaxserve.models import ordered
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +66,7 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
 
     The cut is found among the best `_CANDIDATES` tokens (`lax.top_k`) when, for every row, it
     provably lies there: top-k within them, or their mass already reaching top_p. Otherwise
-    the whole vocabulary is sorted, which on a CPU costs ~0.6 s at 64 rows of 49k tokens."""
+    the whole vocabulary is sorted, which on a CPU is slow at a large vocabulary."""
     v = logits.shape[-1]
     scaled = _scaled(logits, si)
     k = jnp.where(si.top_k > 0, jnp.minimum(si.top_k, v), v)

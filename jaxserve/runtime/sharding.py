@@ -28,8 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
-from models.quant import is_quantized, map_planes
+from jaxserve.kernels.quant import is_quantized, map_planes
+from jaxserve.models.config import ModelConfig
 
 AXIS = "model"
 Q_SPEC = P(None, AXIS, None)  # q / attention output (T, N, H): split by head

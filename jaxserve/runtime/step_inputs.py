@@ -11,11 +11,11 @@ import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq, pick_bucket, prompt_rows
 from jaxserve.core.sequence import PENDING
+from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.runtime import logits_processing
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
 from jaxserve.runtime.speculative import SpecInputs
-from kernels.metadata import AttentionMetadata
 
 
 @jax.tree_util.register_dataclass

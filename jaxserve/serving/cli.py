@@ -13,6 +13,9 @@ import sys
 import time
 
 from jaxserve.config import EngineConfig, add_options, from_options
+from jaxserve.engine import data_parallel
+from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
+from jaxserve.runtime import distributed
 from jaxserve.runtime.distributed import DistributedConfig
 from jaxserve.serving.server import Server, ServerConfig
 
@@ -64,14 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
     engine_config, server_config = split_config(args)
-    from jaxserve.runtime import distributed
-
     dist = distributed.initialize(from_options(DistributedConfig, args))
     if dist.is_multiprocess and engine_config.data_parallel_size > 1:
         raise SystemExit("data_parallel_size > 1 runs in one process; across processes the "
                          "engine is one tensor-parallel replica")
-    from jaxserve.engine import data_parallel
-
     t0 = time.perf_counter()
     engines = data_parallel.build_replicas(engine_config)
     logger.info("model loaded in %.1fs (%s)", time.perf_counter() - t0, engines[0].loaded.path)
@@ -93,13 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     hooks = ()
     profiler = None
     if args.profile_dir:
-        from jaxserve.engine.profiling import StepWindowProfiler
-
         profiler = StepWindowProfiler(args.profile_dir, args.profile_steps)
         hooks = (profiler.on_step,)
     if args.profiler_port:
-        from jaxserve.engine.profiling import start_profiler_server
-
         start_profiler_server(args.profiler_port)
     asyncio.run(serve(engines, server_config, hooks))
     engines[0].runner.stop_followers()

@@ -16,10 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxserve import __version__
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving.async_engine import StreamOverflow
-from jaxserve.serving.server import LimitError, engine_failure
+from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 
 
 class ApiError(Exception):
@@ -40,7 +41,19 @@ class ApiError(Exception):
 _KEYED = ("/v1/", "/tokenize", "/detokenize")  # the routes behind the API key
 
 
-def build_app(server) -> web.Application:
+async def serve(core: ServingCore, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve the HTTP front on host:port -> (its runner, to clean up at shutdown; the port)."""
+    # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
+    # aborts the request. The drain before shutdown has its own deadline.
+    runner = web.AppRunner(build_app(core), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+def build_app(server: ServingCore) -> web.Application:
     api = _Api(server)
     app = web.Application(middlewares=[api.middleware],
                           client_max_size=server.config.max_frame_bytes)
@@ -56,7 +69,7 @@ def build_app(server) -> web.Application:
 
 
 class _Api:
-    def __init__(self, server):
+    def __init__(self, server: ServingCore):
         self.server = server
 
     @web.middleware
@@ -469,8 +482,6 @@ class _Api:
         return web.json_response({"status": "ok"})
 
     async def version(self, request: web.Request) -> web.Response:
-        from jaxserve import __version__
-
         return web.json_response({"version": __version__})
 
     async def tokenize(self, request: web.Request) -> web.Response:

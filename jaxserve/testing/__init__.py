@@ -1,2 +1,2 @@
-"""Helpers shared by tests and scripts: the scheduler simulator (no model), ragged attention
-metadata for kernel checks, and the HF transformers oracle."""
+"""Helpers shared by tests and scripts: the scheduler simulator (no model) and the HF
+transformers oracle."""

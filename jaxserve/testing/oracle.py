@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 
+from jaxserve.models.loader import default_model_path
+
 
 def load_hf_model(model_path: str | None):
     """The HF model for `model_path` (default: the bundled GGUF), float32, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from models.loader import default_model_path
 
     path = model_path or default_model_path()
     if path.endswith(".gguf"):

@@ -1,7 +1,7 @@
-// y = x @ w for a weight kept in GGUF blocks (models/quant.py), called from a jitted step
+// y = x @ w for a weight kept in GGUF blocks (kernels/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// Shapes (three handlers, one per form of the codes; models/quant.py makes them). Each
+// Shapes (three handlers, one per form of the codes; kernels/quant.py makes them). Each
 // handler takes a group of weights of one form that multiply the same x, one y each (see
 // Matmul); per weight:
 //   x      (M, K) float32
@@ -9,13 +9,13 @@
 //   scale  (K / 32, N) float32
 //   min    (K / 32, N) float32
 // or, BlockMatmulQ4, the codes as nibbles (values 0-15) two to a byte, in the order the
-// kernel reads them (models/quant.py's pack_nibbles makes it):
+// kernel reads them (kernels/quant.py's pack_nibbles makes it):
 //   q4     (N / 32, K / 2, 32) bytes  panel p, pair of rows kp: byte j holds, low nibble
 //          first, the codes of pair slots j and 32 + j, where slot 2c + e is q[2kp + e, 32p + c]
 //   scale  (N / 32, K / 32, 32) float16   scale[p, b, c] of column 32p + c
 //   min    (N / 32, K / 32, 32) float16
 //   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16))
-// or, BlockMatmulQ8, int8 codes in pairs of rows (models/quant.py's pack_pairs makes it):
+// or, BlockMatmulQ8, int8 codes in pairs of rows (kernels/quant.py's pack_pairs makes it):
 //   q8     (N / 32, K / 2, 64) int8   panel p, pair of rows kp: byte 2c + e holds
 //          q[2kp + e, 32p + c] (as uint32 words, (N / 32, K / 2, 16))
 //   scale  (N / 32, K / 32, 32) float32   scale[p, b, c] of column 32p + c
@@ -48,14 +48,12 @@
 // - tiles: per block of 32 rows of k, the weights widened once, in the pairs the instruction
 //   reads, into a buffer that stays in L1, and used by every row of x in tiles of up to MR
 //   rows whose int32 sums stay in registers; the float sums go to memory per block.
-// With AVX-512, widening the nibble form is a few cheap operations, so it always takes rows
-// (single thread, 30 layers of 576x1536: 0.9 ms instead of 1.5-2.3 at 1 row, 11-12 instead of
-// 13.9-14.1 at 32, 182 instead of 209 at 512); so does the pair form, whose widening is one
-// sign extension. Widening the int8 form's codes takes two shuffles per pair of rows, so
-// repeating it for every DR rows loses past a few rows: that form takes rows up to kFewRows
-// and tiles above (the 576x49152 head in that form: 5.1 ms instead of 9.0 at 1 row, even at
-// 8, 29 instead of 21 at 32). Without AVX-512 the nibble and pair forms take rows up to 8 rows
-// and tiles above, the int8 form rows up to DR (see kWidenInRegistersUpTo).
+// With AVX-512, widening the nibble form is a few cheap operations, so it always takes rows;
+// so does the pair form, whose widening is one sign extension. Widening the int8 form's codes
+// takes two shuffles per pair of rows, so repeating it for every DR rows loses past a few rows:
+// that form takes rows up to kFewRows and tiles above. Without AVX-512 the nibble and pair
+// forms take rows up to 8 rows and tiles above, the int8 form rows up to DR (see
+// kWidenInRegistersUpTo). docs/performance.md has the timings behind these cuts.
 // The integer sums are exact on every path (VNNI, AVX-512BW, AVX2, portable) and both
 // ways finish a block with the same float operations (`fold`), so a row's result does not
 // depend on the way or on the other rows of x (batch invariance).
@@ -91,11 +89,8 @@ constexpr float kQMax = 32767.f;
 // multiplies read the weights from the widened buffer). The rows way keeps 2 float sums per
 // row as well, so it takes fewer rows at a time (DR). AVX2 takes 2 rows either way: at 3, the
 // 12 sums, the 4 products in flight and the pair outgrow the 16 registers and GCC keeps sums
-// on the stack (one 576x1536 nibble product at 16 rows: 0.23-0.26 ms in tiles of 2 instead of
-// 0.31-0.34 in tiles of 3, medians of 15). Widening in registers repeats a block's widening
-// for every DR rows instead of once, and still wins up to 8 rows, evens at 10-16, and loses
-// after (the same product at 2 rows: 0.045 ms instead of 0.078 in a tile; at 8, 0.132 instead
-// of 0.140; at 32, 0.49 instead of 0.41), hence kWidenInRegistersUpTo.
+// on the stack. Widening in registers repeats a block's widening for every DR rows instead of
+// once, which still wins at a few rows and loses at many: hence kWidenInRegistersUpTo.
 // AVX2 without AVX-512: 16 registers of 8 lanes, which the AVX2 code below keeps its 16-lane
 // vectors in explicitly (the compiler would move them through the stack).
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -292,8 +287,7 @@ struct QuantizedRows {
 // comment). The largest magnitude and the sum reduce as a tree of halves, the same tree on
 // every path: (lanes i and i + 8 of the two 16-lane halves' combination), then 4, 2, 1.
 #if HALF_WIDTH
-// Spelled out in 8-lane registers: GCC's code for the 16-lane form went through the stack
-// and took ~5% of a 16-row decode step.
+// Spelled out in 8-lane registers: GCC's code for the 16-lane form goes through the stack.
 inline float reduce8(__m256 a, __m128 (*op)(__m128, __m128)) {
   const __m128 b = op(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 c = op(b, _mm_movehl_ps(b, b));                 // b0 . b2, b1 . b3
@@ -633,9 +627,8 @@ ffi::Error weigh(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
 // Each w_i is layer `layer` of the stack of layers its planes hold: the step reads a scanned
 // model's weights in place instead of slicing (copying) each layer's out of its stack.
 // A group (a layer's q, k and v, or its gate and up) scales x once and shares its panels out
-// in one pass: at a few rows, where a product takes tens of microseconds, the separate calls'
-// scaling of x and waits for the helper threads were ~12% of the layers' time (a 30-layer
-// stack at 1 and 8 rows, 2 threads; no difference past noise at 16 or 32).
+// in one pass: at a few rows, where a product is short, separate calls would each scale x and
+// wait for the helper threads.
 template <typename Codes>
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
                   ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs args,

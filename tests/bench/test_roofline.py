@@ -7,7 +7,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.bench import roofline
 from jaxserve.engine.llm_engine import StepRecord
-from models.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 from tests.bench.test_bench import engine
 
 

@@ -19,7 +19,7 @@ import sys
 import jax
 import pytest
 
-from kernels import cpu_library
+from jaxserve.kernels import cpu_library
 from tests.kernels.test_cpu_library import x86
 
 pytestmark = [pytest.mark.slow,

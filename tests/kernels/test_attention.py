@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.testing.ragged import ragged_metadata
-from kernels.kv_write import write_kv
-from kernels.metadata import folded_tiles, query_tiles, row_tiles, tile_queries
-from kernels.mosaic_attention import TILE_ROWS, ragged_paged_attention_mosaic
-from kernels.pallas_attention import ragged_paged_attention
-from kernels.reference import ragged_paged_attention_reference
-from kernels.xla_attention import ragged_paged_attention_xla
+from jaxserve.kernels.attention.kv_write import write_kv
+from jaxserve.kernels.attention.metadata import folded_tiles, query_tiles, row_tiles, tile_queries
+from jaxserve.kernels.attention.mosaic import TILE_ROWS, ragged_paged_attention_mosaic
+from jaxserve.kernels.attention.pallas import ragged_paged_attention
+from jaxserve.kernels.attention.ragged import ragged_metadata
+from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
+from jaxserve.kernels.attention.xla import ragged_paged_attention_xla
 
 TOL = {"float32": (2e-5, 0.0), "bfloat16": (1e-2, 1e-2),  # (atol, rtol)
        "float16": (2e-3, 2e-3)}
@@ -249,7 +249,7 @@ def test_reference_write_hits_one_layer_and_drops_padding_slots():
     (b, d) for b in ("pallas", "triton") for d in ("float32", "bfloat16")] + [
     ("mosaic", "bfloat16"), ("mosaic", "float16")])
 def test_gpu_kernels_match_reference(backend, dtype):
-    from kernels import select_attention
+    from jaxserve.kernels.attention.choose import select_attention
 
     _, fn = select_attention(backend)
     q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype, head_dim=64)
@@ -263,7 +263,7 @@ def run_triton_interpreted(dtype: str, groups: int) -> None:
     CPU tensors (a process with TRITON_INTERPRET=1 set before triton is imported)."""
     import torch
 
-    from kernels.triton_attention import _kernel, plan_launch
+    from jaxserve.kernels.attention.triton import _kernel, plan_launch
 
     q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype)
     plan = plan_launch(q, k, LAYER, md)
@@ -293,7 +293,7 @@ def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, monkeypatch):
     triton = pytest.importorskip("triton", reason="the triton package is not installed")
     from triton.backends.compiler import GPUTarget
 
-    from kernels.triton_attention import _kernel
+    from jaxserve.kernels.attention.triton import _kernel
 
     ptrs = ["q_ptr", "k_ptr", "v_ptr", "o_ptr"]
     ints = ["bt_ptr", "layer_ptr", "qsl_ptr", "ctx_ptr", "tile_seq_ptr", "tile_row_ptr"]

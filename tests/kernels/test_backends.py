@@ -7,9 +7,22 @@ import jax
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import select_attention
-from kernels.mosaic_attention import supports
+from jaxserve.kernels.attention import registry
+from jaxserve.kernels.attention.base import AttentionBackend, Backend
+from jaxserve.kernels.attention.choose import select_attention
+from jaxserve.kernels.attention.mosaic import supports
 from tests.helpers import run_all
+
+
+def test_every_name_but_auto_is_one_backend_of_the_contract():
+    for name in AttentionBackend:
+        if name is AttentionBackend.AUTO:
+            with pytest.raises(ValueError, match="auto names no one backend"):
+                registry.backend(name)
+            continue
+        backend = registry.backend(name.value)
+        assert isinstance(backend, Backend) and backend.name is name
+        assert callable(backend.fn())
 
 
 def test_auto_is_the_cpu_kernel_on_cpu():

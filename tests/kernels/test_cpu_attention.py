@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernel (kernels/cpu_attention.py) against the jnp reference, and
+"""The C++ CPU attention kernel (kernels/attention/cpu.py) against the jnp reference, and
 `auto` without a compiler."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import cpu_attention
-from kernels.cpu_attention import ragged_paged_attention_cpu
-from kernels.reference import ragged_paged_attention_reference
+from jaxserve.kernels.attention import cpu as cpu_attention
+from jaxserve.kernels.attention.cpu import ragged_paged_attention_cpu
+from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
 from tests.kernels.test_attention import LAYER, MIXED, assert_close, make_case
 from tests.kernels.test_cpu_library import FEWER, fewer_targets, x86
 
@@ -135,7 +135,7 @@ def test_without_a_compiler_auto_takes_xla_and_says_why(tmp_path):
     code = """if True:
         import warnings
         import jax
-        from kernels import select_attention
+        from jaxserve.kernels.attention.choose import select_attention
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             backend, _ = select_attention("auto", dtype=jax.numpy.float32, head_dim=64,

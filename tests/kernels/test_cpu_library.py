@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import tomllib
 
 import jax
 import pytest
 
-from kernels import cpu_library
+from jaxserve.kernels import cpu_library
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU kernels")
 
@@ -51,7 +52,7 @@ def test_every_target_is_registered_and_every_source_is_shipped():
     for symbol in cpu_library.TARGETS.values():
         assert hasattr(lib, symbol)
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    with open(os.path.join(root, "pyproject.toml")) as f:
-        shipped = next(line for line in f if line.startswith("kernels = "))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        shipped = tomllib.load(f)["tool"]["setuptools"]["package-data"]["jaxserve.kernels"]
     kinds = {os.path.splitext(p)[1] for p in cpu_library.sources()}
-    assert kinds == {".cc", ".h"} and all(f'"cpu/*{k}"' in shipped for k in kinds)
+    assert kinds == {".cc", ".h"} and all(f"cpu/*{k}" in shipped for k in kinds)

@@ -11,11 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import cpu_matmul
-from kernels.cpu_matmul import block_matmul, block_matmul_group, block_matmul_or_none, fits, pack
-from models import quant
-from models.config import ModelConfig
-from models.llama import HEAD_BLOCKS, head_blocks, lm_logits
+from jaxserve.kernels import cpu_matmul, quant
+from jaxserve.kernels.cpu_matmul import (
+    block_matmul,
+    block_matmul_group,
+    block_matmul_or_none,
+    fits,
+    pack,
+)
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import HEAD_BLOCKS, head_blocks, lm_logits
 from tests.kernels.test_cpu_library import FEWER, fewer_targets, x86
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")

@@ -16,8 +16,8 @@ import jax
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from kernels.mosaic_attention import ragged_paged_attention_mosaic
-from kernels.pallas_attention import ragged_paged_attention
+from jaxserve.kernels.attention.mosaic import ragged_paged_attention_mosaic
+from jaxserve.kernels.attention.pallas import ragged_paged_attention
 from tests.kernels.test_attention import LAYER, make_case
 
 KERNELS = {  # backend -> (kernel, what its lowered module must call)

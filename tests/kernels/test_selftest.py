@@ -1,6 +1,6 @@
-"""auto's self-test on the device (kernels/selftest.py), run here on a CPU by naming the CPU's
-candidates: broken candidates are passed over with their reason, the result is cached, and a
-step program that fails to compile for its kernel's sake falls back once."""
+"""auto's self-test on the device (kernels/attention/selftest.py), run here on a CPU by naming
+the CPU's candidates: broken candidates are passed over with their reason, the result is cached,
+and a step program that fails to compile for its kernel's sake falls back once."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import os
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import AttentionBackend, choose_attention, cpu_library, selftest
-from kernels.pallas_attention import ragged_paged_attention
-from kernels.reference import ragged_paged_attention_reference
+from jaxserve.kernels import cpu_library
+from jaxserve.kernels.attention import selftest
+from jaxserve.kernels.attention.base import AttentionBackend
+from jaxserve.kernels.attention.choose import choose_attention
+from jaxserve.kernels.attention.pallas import ragged_paged_attention
+from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
 from tests.helpers import run_all
 
 SHAPES = dict(dtype="float32", head_dim=16, groups=2, block_size=16)  # the tiny Llama's

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models.config import ModelConfig
-from models.loader import expected_hf_shapes, load_model
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import expected_hf_shapes, load_model
 
 
 def test_missing_path():
@@ -65,7 +65,7 @@ def test_default_gguf_config(smollm):
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size) == (30, 9, 3, 576)
     assert cfg.tie_word_embeddings and "lm_head" not in smollm.params
     assert 2 in cfg.eos_token_ids
-    wq = smollm.params["layers"]["wq"]  # kept in its Q4_1 blocks (models/quant.py)
+    wq = smollm.params["layers"]["wq"]  # kept in its Q4_1 blocks (kernels/quant.py)
     assert wq["q"].shape == (30, 576, 9, 64) and wq["q"].dtype == np.int8
     assert wq["scale"].shape == wq["min"].shape == (30, 576 // 32, 9, 64)
 
@@ -155,7 +155,7 @@ def test_gguf_roundtrip_restores_hf_layout_and_caches(tmp_path, tiny_llama_dir, 
 def test_gguf_tokenizer_matches_transformers_gguf_tokenizer(smollm):
     """Our torch-free rebuild of the GGUF vocabulary tokenizes like transformers' own reader."""
     pytest.importorskip("torch")
-    from models.loader import default_model_path, load_tokenizer
+    from jaxserve.models.loader import default_model_path, load_tokenizer
 
     path = default_model_path()
     theirs = load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -193,7 +193,7 @@ def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_float_load(tmp_path,
     import gguf
     from gguf.quants import dequantize, quantize
 
-    from models.quant import dequantize_tree, is_quantized
+    from jaxserve.kernels.quant import dequantize_tree, is_quantized
 
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     cfg = load_model(tiny_llama_dir).config

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ordered
+from jaxserve.models import ordered
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 576, 1000, 49152])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from kernels import AttentionBackend, unavailable
+from jaxserve.kernels.attention import registry
+from jaxserve.kernels.attention.base import AttentionBackend
 
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
              token_buckets=(4, 32), seq_buckets=(4,), block_buckets=(8,),
@@ -52,9 +53,9 @@ def test_refusals_name_the_field():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int8")
     if jax.default_backend() == "cpu":
-        why = unavailable(AttentionBackend.PALLAS, dtype="float32", kv_dtype="float16")
+        why = registry.backend("pallas").unavailable(dtype="float32", kv_dtype="float16")
         assert why is not None and "kv_cache_dtype" in why
-        assert unavailable(AttentionBackend.XLA, dtype="float32", kv_dtype="float16") is None
+        assert registry.backend("xla").unavailable(dtype="float32", kv_dtype="float16") is None
 
 
 def test_auto_is_float16_under_a_float32_model_on_the_cpu_kernel_only(tiny_llama_dir):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.models.config import ModelConfig
 from jaxserve.runtime import sharding
-from models.config import ModelConfig
 from tests.helpers import buckets_from_8
 from tests.models.test_hf_equivalence import PROMPTS, run_staggered
 

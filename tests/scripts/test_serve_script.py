@@ -19,6 +19,10 @@ def test_help_lists_engine_and_server_options():
                 "--http-port", "--api-key", "--max-frame-bytes", "--max-tokens-limit",
                 "--shutdown-timeout-s"):
         assert opt in out
+    # What and why, never a measurement: figures live in docs/performance.md.
+    flat = " ".join(out.split())
+    assert not re.search(r"measured|~ ?\d|\d ?%|\d(\.\d+)? ?(ms|us|tok/s|GB/s)\b|"
+                         r"\d(\.\d+)?x (faster|slower)", flat), flat
 
 
 def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):

@@ -1,11 +1,11 @@
 """`auto`'s choice of attention backend, made on the device by a self-test.
 
-Each candidate of the platform (`CANDIDATES`; on a GPU mosaic, triton, pallas and xla) that
-`unavailable()` allows is compiled and run on one mixed ragged batch (decodes and prefill chunks
-over shuffled pages, with padding rows and sequences) at the model's head shapes and dtypes,
-compared with the reference computed in float32 (`TOLERANCE` by dtype), and timed on a
-decode-only and a mixed batch (`timing_batches`). `auto` takes the fastest that passes, by the
-sum of the two times; one that is unavailable, fails to lower or compile, raises, or differs
+Each candidate of the platform (`CANDIDATES`; on a GPU mosaic, triton, pallas and xla) that its
+backend's `unavailable()` allows is compiled and run on one mixed ragged batch (decodes and
+prefill chunks over shuffled pages, with padding rows and sequences) at the model's head shapes
+and dtypes, compared with the reference computed in float32 (`TOLERANCE` by dtype), and timed
+on a decode-only and a mixed batch (`timing_batches`). `auto` takes the fastest that passes, by
+the sum of the two times; one that is unavailable, fails to lower or compile, raises, or differs
 from the reference is passed over with a warning that says why. xla is the last resort when
 none passes. A fixed order cannot do this: which backend is fastest depends on the device, the
 JAX version and the dtype.
@@ -15,9 +15,9 @@ JAXSERVE_CACHE_DIR="" turns it off) under a key of the device kind, the platform
 versions, the kernels' source, the head shapes, the dtypes and the candidates, so a warm start
 reads its choice instead of testing again; deleting the file tests again.
 
-A platform without an entry in `CANDIDATES` keeps kernels/__init__.py's fixed rule. A candidate
-is a backend's name or a `Candidate` with a function of its own (tests set
-`CANDIDATES["cpu"]` to run all of this on a CPU, with candidates broken on purpose).
+A platform without an entry in `CANDIDATES` keeps choose.py's fixed rule. A candidate is a
+backend's name or a `Candidate` with a function of its own (tests set `CANDIDATES["cpu"]` to run
+all of this on a CPU, with candidates broken on purpose).
 """
 
 from __future__ import annotations
@@ -36,12 +36,16 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from kernels import AttentionBackend, attention_fn, unavailable
-from models.cache import cache_home, source_digest
+from jaxserve.kernels.attention.base import AttentionBackend
+from jaxserve.kernels.attention.ragged import ragged_metadata
+from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
+from jaxserve.kernels.attention.registry import backend as get_backend
+from jaxserve.kernels.cache_dir import cache_home, source_digest
 
 log = logging.getLogger(__name__)
 
 _FORMAT = 1  # bump when a cached result's fields or meaning change
+KERNELS_DIR = os.path.dirname(os.path.dirname(__file__))  # every kernel's source, C++ included
 
 CANDIDATES: dict[str, tuple] = {
     "gpu": (AttentionBackend.MOSAIC, AttentionBackend.TRITON, AttentionBackend.PALLAS,
@@ -59,7 +63,7 @@ CHECK_BATCH = ((1, 1), (1, 17), (7, 40), (1, 40), (17, 33), (33, 64), (2, 81), (
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A candidate with its own function (the attention contract of kernels/reference.py)."""
+    """A candidate with its own function (the attention contract of reference.py)."""
 
     name: str
     fn: Callable
@@ -165,8 +169,6 @@ def make_batch(seqs, kv_heads: int, groups: int, head_dim: int, dtype, kv_dtype=
                block_size: int = 16, seed: int = 0, pad: bool = True):
     """(q, k_pool, v_pool, layer, md, real token count) for `seqs` (query rows, context length),
     drawn on the device over a one-layer pool of shuffled pages."""
-    from jaxserve.testing.ragged import ragged_metadata
-
     md, num_tokens, pages = ragged_metadata(list(seqs), block_size, seed,
                                             pad_tokens=16 if pad else 0,
                                             pad_seqs=2 if pad else 0, spare_pages=3)
@@ -182,8 +184,6 @@ def make_batch(seqs, kv_heads: int, groups: int, head_dim: int, dtype, kv_dtype=
 def max_error(fn, q, k, v, layer, md, num_tokens: int, dtype) -> tuple[float, bool]:
     """(max abs error of `fn`'s rows against the float32 reference's, within TOLERANCE[dtype]);
     `fn` runs as it is (a compiled call, or jit it first)."""
-    from kernels.reference import ragged_paged_attention_reference
-
     with jax.default_matmul_precision("float32"):
         want = jax.jit(ragged_paged_attention_reference)(
             q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), layer, md)
@@ -270,7 +270,7 @@ def run(candidates: Sequence, *, dtype, head_dim: int, groups: int, block_size: 
     key = {"format": _FORMAT, "device_kind": dev.device_kind, "platform": platform,
            "platform_version": dev.client.platform_version, "jax": jax.__version__,
            "jaxlib": jaxlib.__version__, "kv_heads": kv_heads,
-           "kernels": source_digest(os.path.dirname(__file__), ["."]),  # a changed kernel
+           "kernels": source_digest(KERNELS_DIR, ["."]),  # a changed kernel
            "candidates": names, **shapes}
     path = cache_path(key)
     cached = _load(path, key) if reuse else None
@@ -279,11 +279,11 @@ def run(candidates: Sequence, *, dtype, head_dim: int, groups: int, block_size: 
         return cached
     trials = []
     for name, backend, fn in resolved:
-        why = None if backend is None else unavailable(backend, **shapes)
+        why = None if backend is None else get_backend(backend).unavailable(**shapes)
         if why:
             trials.append(Trial(name, False, f"unavailable: {why}"))
             continue
-        trials.append(_trial(name, fn or attention_fn(backend), shapes, kv_heads, platform))
+        trials.append(_trial(name, fn or get_backend(backend).fn(), shapes, kv_heads, platform))
     result = _choose(trials, names)
     for t in trials:
         if not t.passed:

@@ -3,11 +3,11 @@
 Lowering: Pallas' Triton backend (`jax.experimental.pallas.triton`): a data-dependent walk over
 a block table (one scalar load per page) with plain `load`/`store` and a `fori_loop`, the same
 body running under `interpret=True` on a CPU, which is how it is tested in CI. JAX 0.11
-deprecated this lowering; on Hopper, mosaic_attention.py (Mosaic GPU: bulk copies through a
+deprecated this lowering; on Hopper, mosaic.py (Mosaic GPU: bulk copies through a
 ring of shared-memory slots, warpgroup MMAs) comes first, and this kernel stays for the other
 GPUs while the lowering exists.
 
-Work split: the G query heads of a kv head are folded into the tile's rows (kernels/metadata.py):
+Work split: the G query heads of a kv head are folded into the tile's rows (metadata.py):
 a program owns one (query tile, kv head), whose `rows` rows (a power of two >= 16, Triton's
 smallest dot) are `rows // G` tokens of one sequence times the G heads. It loads its tile's
 queries in one block, walks the sequence's pages up to the last position its tokens can see
@@ -23,9 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from kernels.metadata import (
+from jaxserve.kernels.attention.base import AttentionBackend, Backend, pool_of_model_dtype
+from jaxserve.kernels.attention.metadata import (
     AttentionMetadata,
     check_attention_inputs,
     fold_queries,
@@ -34,6 +34,13 @@ from kernels.metadata import (
     tile_rows,
     unfold_tiles,
 )
+
+try:  # deprecated in JAX 0.11, and gone from later JAX
+    from jax.experimental.pallas import triton as plgpu
+except ImportError as e:  # pragma: no cover - depends on the JAX
+    plgpu, IMPORT_ERROR = None, e
+else:
+    IMPORT_ERROR = None
 
 # ----------------------------------------------------------------------------------- kernel body
 
@@ -151,3 +158,25 @@ def ragged_paged_attention(
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
                fold_queries(q, kv_heads, rows), k_pages, v_pages)  # (K, NT, R, H)
     return unfold_tiles(out, md, tokens, groups)
+
+
+class PallasBackend(Backend):
+    name = AttentionBackend.PALLAS
+
+    def unavailable(self, *, dtype=None, kv_dtype=None, **_):
+        platform = jax.default_backend()
+        if platform not in ("gpu", "cpu"):
+            lowering = f"Pallas' Triton lowering cannot run on platform {platform!r}"
+        elif IMPORT_ERROR is not None:
+            lowering = f"this JAX has no Pallas Triton lowering ({IMPORT_ERROR})"
+        else:
+            lowering = None
+        return pool_of_model_dtype(dtype, kv_dtype) or lowering
+
+    def fn(self):
+        # On a CPU the kernel body runs in Pallas' interpreter: correct, slow, for testing.
+        return functools.partial(ragged_paged_attention,
+                                 interpret=jax.default_backend() == "cpu")
+
+
+BACKEND = PallasBackend()

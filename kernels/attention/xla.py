@@ -1,20 +1,19 @@
-"""Ragged paged attention in plain jnp, shaped for XLA:CPU: the default CPU backend.
+"""Ragged paged attention in plain jnp, shaped for XLA: the backend that runs anywhere, auto's
+choice where no kernel can (a CPU without the C++ kernel, a GPU where none passes the self-test,
+other platforms).
 
-On a CPU the cost of paged attention is moving K/V (XLA:CPU gathers at ~5-10 GB/s), not its
-arithmetic. Two things keep that small:
+On a CPU the cost of paged attention is moving K/V, not its arithmetic. Two things keep that
+small:
 
 - Rows share gathers where they share a context. Rows [0, S) (S = the step's sequence bucket;
   the scheduler puts decodes first, so every decode row is here) attend one row at a time;
   rows [S, T) go as tiles of `block_q` rows that never straddle two sequences (the tiling of
   the Pallas kernel), so a long prompt chunk reads its context T / block_q times, not T times.
-  A step of T = 512 padded rows with S = 64 gathers 3.3x less than one row at a time.
 - Query tiles over long tables walk their context `chunk_blocks` blocks at a time with an
   online softmax, as the GPU kernels do, instead of gathering the whole padded context at
   once: a chunk's K/V stays in cache between its gather and its two dots, and the walk stops
   after the chunk holding the step's longest real context, so the block bucket's padding
-  costs nothing. On `bench.py`'s workload (SmolLM2-135M, interleaved runs) the steps that
-  carry prompt chunks took ~15% less time. Decode rows read their whole context at once:
-  walking them was measured slower there (see `_chunks`).
+  costs nothing. Decode rows read their whole context at once (see `_chunks`).
 
 Any mix of rows is handled exactly; the split only decides which path a row takes. Checked
 against the reference in the kernel tests.
@@ -27,8 +26,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import AttentionMetadata, query_tiles
-from kernels.reference import ragged_paged_attention_reference
+from jaxserve.kernels.attention.base import AttentionBackend, Backend
+from jaxserve.kernels.attention.metadata import AttentionMetadata, query_tiles
+from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
 
 _MASKED = -1e30  # a masked score: finite, so a row with nothing seen yet never makes NaNs
 
@@ -84,10 +84,9 @@ def _attend(q, k, v, q_pos, scale):
 def _chunks(tiles: bool, mb: int, chunk_blocks: int | None) -> int | None:
     """Blocks per chunk of the walk over MB-block tables, or None for the whole context at
     once. By default only query tiles (prompt chunks) walk, 4 blocks at a time, and only over
-    tables of 16 blocks or more: that is where it was measured to pay. Decode rows walking
-    made the bench's decode steps 1.15x slower (one long context sets every row's trip count,
-    and the loop and rescaling cost more than the cache misses they save); short tables have
-    little padding to skip."""
+    tables of 16 blocks or more. Decode rows do not walk: one long context would set every
+    row's trip count, and the loop and rescaling cost more than the cache misses they save;
+    short tables have little padding to skip."""
     if chunk_blocks is None:
         chunk_blocks = 4 if tiles and mb >= 16 else mb
     return chunk_blocks if chunk_blocks < mb else None
@@ -105,10 +104,10 @@ def ragged_paged_attention_xla(
     min_rows_per_seq: int = 8,
     chunk_blocks: int | None = None,
 ) -> jax.Array:  # (T, N, H)
-    """Tiles only in steps of at least `min_rows_per_seq` * S rows: the tile count is bounded
-    by (T - S) / block_q + S, all computed whatever the step holds, so in smaller steps the
-    padding tiles cost more than the gathers they save (measured: a 256-row step with S = 64
-    was 1.2x slower tiled, a 512-row one 1.4x faster)."""
+    """Same contract as `ragged_paged_attention_reference`. Tiles only in steps of at least
+    `min_rows_per_seq` * S rows: the tile count is bounded by (T - S) / block_q + S, all
+    computed whatever the step holds, so in smaller steps the padding tiles cost more than the
+    gathers they save."""
     t, n, h = q.shape
     s = md.context_lens.shape[0]
     _, _, b, kh, _ = k_pool.shape
@@ -158,3 +157,13 @@ def ragged_paged_attention_xla(
     out = jnp.zeros((t, n, h), jnp.float32).at[:s].set(head)
     out = out.at[rows.reshape(-1)].set(tail, mode="drop")
     return out.astype(q.dtype)
+
+
+class XlaBackend(Backend):
+    name = AttentionBackend.XLA
+
+    def fn(self):
+        return ragged_paged_attention_xla
+
+
+BACKEND = XlaBackend()

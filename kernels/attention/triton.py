@@ -1,6 +1,6 @@
 """Ragged paged attention as a Triton kernel, called from JAX through `jax_triton.triton_call`.
 
-Same contract and work split as `kernels.pallas_attention` (the G query heads of a kv head
+Same contract and work split as the Pallas kernel, pallas.py (the G query heads of a kv head
 folded into a tile's rows, tiles that never straddle two sequences, grid (tiles, kv heads),
 pages read in place through the block table once per kv head, online softmax in float32, each
 tile's rows stored to its own slot), written directly in Triton so that it does not depend on
@@ -18,7 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import (
+from jaxserve.kernels.attention.base import AttentionBackend, Backend, pool_of_model_dtype
+from jaxserve.kernels.attention.metadata import (
     AttentionMetadata,
     check_attention_inputs,
     fold_queries,
@@ -39,15 +40,6 @@ except ImportError as e:  # pragma: no cover - depends on the machine
     IMPORT_ERROR: ImportError | None = e
 else:
     IMPORT_ERROR = None if triton is not None else ImportError("No module named 'triton'")
-
-
-def available() -> str | None:
-    """None if the kernel can run here, else the reason it cannot."""
-    if IMPORT_ERROR is not None:
-        return f"jax-triton/triton are not installed ({IMPORT_ERROR}); pip install '.[gpu]'"
-    if jax.default_backend() != "gpu":
-        return f"Triton kernels need a GPU; the JAX platform here is {jax.default_backend()!r}"
-    return None
 
 
 if triton is not None:
@@ -163,8 +155,8 @@ def ragged_paged_attention_triton(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:  # (T, N, H)
-    """Same contract as `kernels.pallas_attention.ragged_paged_attention` (GPU only)."""
-    reason = available()
+    """Same contract as the Pallas kernel's `ragged_paged_attention` (GPU only)."""
+    reason = BACKEND.unavailable()
     if reason:
         raise ValueError(reason)
     check_attention_inputs(q, k_pages, v_pages, md)
@@ -180,3 +172,23 @@ def ragged_paged_attention_triton(
         **plan.consts,
     )
     return plan.unfold(out)
+
+
+class TritonBackend(Backend):
+    name = AttentionBackend.TRITON
+
+    def unavailable(self, *, dtype=None, kv_dtype=None, **_):
+        platform = jax.default_backend()
+        if IMPORT_ERROR is not None:
+            missing = f"jax-triton/triton are not installed ({IMPORT_ERROR}); pip install '.[gpu]'"
+        elif platform != "gpu":
+            missing = f"Triton kernels need a GPU; the JAX platform here is {platform!r}"
+        else:
+            missing = None
+        return pool_of_model_dtype(dtype, kv_dtype) or missing
+
+    def fn(self):
+        return ragged_paged_attention_triton
+
+
+BACKEND = TritonBackend()

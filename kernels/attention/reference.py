@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.metadata import AttentionMetadata
+from jaxserve.kernels.attention.base import AttentionBackend, Backend
+from jaxserve.kernels.attention.metadata import AttentionMetadata
 
 
 def ragged_paged_attention_reference(
@@ -35,7 +36,7 @@ def ragged_paged_attention_reference(
     if isinstance(layer, int):
         # A static layer (unrolled layers): XLA:CPU would fuse the gather into the dot's
         # transpose as one element-by-element loop over the pool; kept apart, the gather moves
-        # whole rows and the transpose runs on a dense array (a ~15% faster decode step).
+        # whole rows and the transpose runs on a dense array, which is faster.
         k, v = jax.lax.optimization_barrier((k, v))
     k = k.reshape(t, mb * b, kh, h)  # (T, C, K, H)
     v = v.reshape(t, mb * b, kh, h)
@@ -48,3 +49,13 @@ def ragged_paged_attention_reference(
     out = jnp.einsum("tkgc,tckh->tkgh", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(t, n, h).astype(q.dtype)
+
+
+class ReferenceBackend(Backend):
+    name = AttentionBackend.REFERENCE
+
+    def fn(self):
+        return ragged_paged_attention_reference
+
+
+BACKEND = ReferenceBackend()

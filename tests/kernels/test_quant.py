@@ -15,9 +15,9 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from models import quant
-from models.llama import LAYER_BLOCKS
-from models.loader import default_model_path, load_model
+from jaxserve.kernels import quant
+from jaxserve.models.llama import LAYER_BLOCKS
+from jaxserve.models.loader import default_model_path, load_model
 from tests.models.test_loader import _write_tiny_gguf
 
 

@@ -1,11 +1,12 @@
-"""Ragged step metadata for kernel tests and the GPU check: a mixed batch over shuffled pages."""
+"""Ragged step metadata for auto's self-test, the kernel tests and the GPU check: a mixed batch
+over shuffled pages."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.metadata import AttentionMetadata
+from jaxserve.kernels.attention.metadata import AttentionMetadata
 
 
 def ragged_metadata(seqs: list[tuple[int, int]], block_size: int = 16, seed: int = 0,

@@ -1,13 +1,13 @@
 """Ragged paged attention for Hopper (sm_90a) on Pallas' Mosaic GPU backend.
 
-Why a second Pallas kernel: JAX 0.11 deprecated Pallas' Triton lowering (pallas_attention.py),
+Why a second Pallas kernel: JAX 0.11 deprecated Pallas' Triton lowering (pallas.py),
 and Mosaic GPU exposes what Hopper is built around: the bulk-copy engine (TMA) that moves a
 page from HBM to shared memory without the threads, mbarriers to wait for it, and warpgroup
 MMAs that read their operands from shared memory.
 
 **GQA folded into the tile's rows.** A program owns one (query tile, kv head). Its 64 rows (one
 warpgroup MMA's M) hold `64 // G` query tokens of one sequence times the G query heads that
-share the kv head: row r is token r // G, head r % G (kernels/metadata.py, shared with the
+share the kv head: row r is token r // G, head r % G (metadata.py, shared with the
 Triton-lowered kernel). A decode step of one sequence fills G rows, and each page is read once
 per kv head. The wrapper gathers each tile's query rows into a slot of its own, so one bulk copy
 loads them from row 0: a copy into shared memory tiled by 8 rows must start on a multiple of 8,
@@ -51,9 +51,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.metadata import (
+from jaxserve.kernels.attention.base import AttentionBackend, Backend, pool_of_model_dtype
+from jaxserve.kernels.attention.metadata import (
     AttentionMetadata,
     check_attention_inputs,
     folded_tiles,
@@ -62,9 +62,14 @@ from kernels.metadata import (
     unfold_tiles,
 )
 
+try:  # not in every JAX
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError as e:  # pragma: no cover - depends on the JAX
+    plgpu, IMPORT_ERROR = None, e
+else:
+    IMPORT_ERROR = None
+
 TILE_ROWS = 64  # a warpgroup MMA's M: the query rows (token x head) of one program
-# Pinned, not inherited: JAX 0.11 changed Mosaic GPU's default from lane to warpgroup semantics.
-LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
 _LOG2E = math.log2(math.e)
 
 
@@ -233,7 +238,9 @@ def _build(num_tiles: int, kv_heads: int, head_dim: int, dtype, *, groups: int, 
         ),
         grid=(num_tiles, kv_heads),
         grid_names=("tile", "kv"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=LOWERING_SEMANTICS),
+        # Pinned, not inherited: JAX 0.11 changed Mosaic GPU's default from lane to warpgroup.
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params() if interpret else None,
     )
 
@@ -256,7 +263,7 @@ def ragged_paged_attention_mosaic(
     interpret: bool = False,
 ) -> jax.Array:  # (T, N, H)
     """Attention of one step's ragged query rows over the paged KV pool (the contract of
-    pallas_attention.ragged_paged_attention); bfloat16 or float16, f32 accumulation."""
+    pallas.ragged_paged_attention); bfloat16 or float16, f32 accumulation."""
     check_attention_inputs(q, k_pages, v_pages, md)
     t, n, h = q.shape
     page, kv_heads = k_pages.shape[2], k_pages.shape[3]
@@ -275,3 +282,32 @@ def ragged_paged_attention_mosaic(
                tile_queries(q, md, tile_seq, tile_row, kv_heads, TILE_ROWS), k_pages,
                v_pages)  # (K, NT, 64, H)
     return unfold_tiles(out, md, tokens, groups)
+
+
+def _not_hopper() -> str | None:
+    platform = jax.default_backend()
+    if platform != "gpu":
+        return f"it needs a Hopper GPU (sm_90a); the JAX platform here is {platform!r}"
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    if not capability.startswith("9."):
+        return f"it needs a Hopper GPU (sm_90a); this device's compute capability is {capability!r}"
+    return None
+
+
+class MosaicBackend(Backend):
+    name = AttentionBackend.MOSAIC
+
+    def unavailable(self, *, dtype=None, head_dim=None, groups=None, block_size=None,
+                    kv_dtype=None):
+        why = pool_of_model_dtype(dtype, kv_dtype) or _not_hopper()
+        if why is None and IMPORT_ERROR is not None:
+            why = f"this JAX has no Pallas Mosaic GPU backend ({IMPORT_ERROR})"
+        if why is None and None not in (dtype, head_dim, groups, block_size):
+            why = supports(dtype, head_dim, groups, block_size)
+        return why
+
+    def fn(self):
+        return ragged_paged_attention_mosaic
+
+
+BACKEND = MosaicBackend()

@@ -1,18 +1,14 @@
-"""Ragged paged attention as a C++ kernel for CPUs, called through XLA's FFI: the default
-attention backend off a GPU.
+"""Ragged paged attention as a C++ kernel for CPUs, called through XLA's FFI: auto's choice on a
+CPU wherever it can run.
 
-The kernel (`cpu/paged_attention.cc`) reads every key and value row in place in the pool,
-once per query tile (a decode row, or up to `block_q` rows of one prompt chunk), and only up
-to the tile's own positions. The jnp backends instead gather each row's padded context into a
-new array and read it two more times (transpose, dots). On SmolLM2-135M's decode steps the
-kernel's attention took ~2.5x less time than the `xla` backend's (see the README).
+The kernel (`cpu/paged_attention.cc`) reads every key and value row in place in the pool, once
+per query tile (a decode row, or up to `block_q` rows of one prompt chunk), and only up to the
+tile's own positions, where the jnp backends gather each row's padded context into a new array
+and read it twice more (transpose, dots).
 
 It reads float32, float16 or bfloat16 pools; half precision is widened to float32 as it loads
-(exactly), so attention streams half the bytes. 30 layers of 32 decodes over 150 tokens, median
-of 20: 22.3 / 22.9 ms from a float32 pool, 15.4 / 16.0 from float16, 16.4 from bfloat16 (with
-AVX2; the scalar widening took 22.2).
-
-It is built with the other CPU kernels by `kernels/cpu_library.py`.
+(exactly), so attention streams half the bytes. It is built with the other CPU kernels by
+`kernels/cpu_library.py`.
 """
 
 from __future__ import annotations
@@ -23,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.cpu_library import library
-from kernels.metadata import AttentionMetadata, check_attention_inputs
+from jaxserve.kernels.attention.base import AttentionBackend, Backend
+from jaxserve.kernels.attention.metadata import AttentionMetadata, check_attention_inputs
+from jaxserve.kernels.cpu_library import library
 
 TARGET = "jaxserve_ragged_paged_attention"
 MAX_GROUPS = 16  # query heads per kv head
@@ -46,20 +43,6 @@ def head_dims() -> tuple[int, ...]:
     return tuple(out[:count])
 
 
-def available(dtype=None, head_dim: int | None = None, groups: int | None = None) -> str | None:
-    """Why the kernel cannot run here for a model of these shapes (where given), or None."""
-    if dtype is not None and jnp.dtype(dtype) != jnp.float32:
-        return f"it reads float32 pages; the model's dtype is {jnp.dtype(dtype).name}"
-    if groups is not None and groups > MAX_GROUPS:
-        return f"{groups} query heads per kv head (at most {MAX_GROUPS})"
-    lib = library()
-    if isinstance(lib, str):
-        return lib
-    if head_dim is not None and head_dim not in head_dims():
-        return f"head_dim {head_dim} is not one of {head_dims()}"
-    return None
-
-
 def ragged_paged_attention_cpu(
     q: jax.Array,  # (T, N, H) float32
     k_pool: jax.Array,  # (L, P, B, K, H) float32, float16 or bfloat16 (both pools alike)
@@ -72,7 +55,8 @@ def ragged_paged_attention_cpu(
 ) -> jax.Array:  # (T, N, H) float32; padding rows are zeros
     """Same contract as `ragged_paged_attention_reference`; query tiles of `block_q` rows."""
     check_attention_inputs(q, k_pool, v_pool, md, PAGE_DTYPES)
-    why = available(q.dtype, q.shape[-1], q.shape[1] // k_pool.shape[3])
+    why = BACKEND.unavailable(dtype=q.dtype, head_dim=q.shape[-1],
+                              groups=q.shape[1] // k_pool.shape[3])
     if why:
         raise ValueError(f"the cpu attention kernel cannot run: {why}")
     if not 1 <= block_q <= 64:
@@ -82,3 +66,27 @@ def ragged_paged_attention_cpu(
     return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), md.block_tables,
                 md.positions, md.query_start_loc, scale=np.float32(scale),
                 block_q=np.int64(block_q))
+
+
+class CpuBackend(Backend):
+    name = AttentionBackend.CPU
+
+    def unavailable(self, *, dtype=None, head_dim=None, groups=None, kv_dtype=None, **_):
+        if dtype is not None and jnp.dtype(dtype) != jnp.float32:
+            return f"it reads float32 pages; the model's dtype is {jnp.dtype(dtype).name}"
+        if groups is not None and groups > MAX_GROUPS:
+            return f"{groups} query heads per kv head (at most {MAX_GROUPS})"
+        lib = library()
+        if isinstance(lib, str):
+            return lib
+        if head_dim is not None and head_dim not in head_dims():
+            return f"head_dim {head_dim} is not one of {head_dims()}"
+        if kv_dtype is not None and jnp.dtype(kv_dtype) not in map(jnp.dtype, PAGE_DTYPES):
+            return f"it reads float32, float16 or bfloat16 pools, not {jnp.dtype(kv_dtype).name}"
+        return None
+
+    def fn(self):
+        return ragged_paged_attention_cpu
+
+
+BACKEND = CpuBackend()

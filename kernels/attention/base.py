@@ -1,0 +1,76 @@
+"""The attention backend contract: what a backend takes, what it refuses, and how auto asks it.
+
+A backend's function (`AttentionFn`) takes one step's query rows and the paged K/V pool of every
+layer, and returns the rows' attention; reference.py is its oracle and states the semantics. A
+backend refuses, with a reason, where it cannot run: the platform, a package missing, or a model
+whose dtype, head_dim, query heads per kv head, block size or KV pool dtype it has no code for
+(`Backend.unavailable`). A backend named in the config that refuses fails at engine start; auto
+asks each candidate the same question and self-tests those that accept (choose.py).
+
+This module imports no jax, so configuration can name backends without loading it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxserve.kernels.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(enum.StrEnum):
+    """The names a config may give; auto names no backend of its own (choose.py)."""
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    CPU = "cpu"
+    XLA = "xla"
+    MOSAIC = "mosaic"
+    TRITON = "triton"
+    PALLAS = "pallas"
+
+
+class AttentionFn(Protocol):
+    def __call__(
+        self,
+        q: jax.Array,  # (T, N, H)
+        k_pool: jax.Array,  # (L, P, B, K, H)
+        v_pool: jax.Array,  # (L, P, B, K, H)
+        layer: jax.Array | int,  # () int32: the layer of the pools to read
+        md: AttentionMetadata,
+        *,
+        scale: float | None = None,  # default H ** -0.5
+    ) -> jax.Array:  # (T, N, H) in q's dtype; padding rows unspecified
+        ...
+
+
+class Backend(abc.ABC):
+    """One attention backend: its name, why it cannot run here, its function."""
+
+    name: ClassVar[AttentionBackend]
+
+    def unavailable(self, *, dtype=None, head_dim: int | None = None, groups: int | None = None,
+                    block_size: int | None = None, kv_dtype=None) -> str | None:
+        """Why the backend cannot run here for a model of these shapes, or None. A shape left
+        None is not asked about. `dtype`: the model's; `groups`: query heads per kv head;
+        `kv_dtype`: the KV pool's, where kv_cache_dtype makes it other than `dtype`. This
+        default is plain jnp's answer: it runs anywhere, in q's dtype whatever the pool's."""
+        return None
+
+    @abc.abstractmethod
+    def fn(self) -> AttentionFn:
+        """The attention function (whether it can run is `unavailable`'s answer, not this)."""
+
+
+def pool_of_model_dtype(dtype, kv_dtype) -> str | None:
+    """Why a kernel that reads pools of the model's own dtype refuses `kv_dtype`, or None."""
+    import jax.numpy as jnp  # here, not at the top: config imports this module without jax
+
+    if kv_dtype is not None and dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+        return (f"it reads pools of the model's dtype ({jnp.dtype(dtype).name}), not "
+                f"kv_cache_dtype {jnp.dtype(kv_dtype).name}")
+    return None
