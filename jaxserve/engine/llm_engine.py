@@ -99,9 +99,12 @@ class QueueFullError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 devices: list[jax.Device] | None = None, **kwargs):
+                 devices: list[jax.Device] | None = None, runner: ModelRunner | None = None,
+                 **kwargs):
         """`devices`: the device group this engine runs on (default: the first
-        tensor_parallel_size devices); engine/data_parallel.py gives each replica its own."""
+        tensor_parallel_size devices); engine/data_parallel.py gives each replica its own.
+        `runner`: one built elsewhere with ModelRunner's interface (bench/host_overhead.py's
+        stand-in that runs no model); `loaded` then gives the model's config and tokenizer."""
         config = config or EngineConfig(**kwargs)
         platform = devices[0].platform if devices else jax.default_backend()
         self.config = config = config.on_platform(platform)
@@ -110,7 +113,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         draft = (load_model(config.speculative_model)
                  if config.speculative_method == "draft_model" else None)
-        self.runner = ModelRunner(config, self.loaded, devices, draft)
+        self.runner = runner or ModelRunner(config, self.loaded, devices, draft)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # speculative decoding (core/speculative.py): the scheduler asks it for proposals
