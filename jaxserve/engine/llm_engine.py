@@ -37,7 +37,7 @@ from jaxserve.core.speculative import (
     Speculator,
 )
 from jaxserve.core.swap_space import SwapSpace
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
@@ -111,6 +111,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         draft = (load_model(config.speculative_model)
                  if config.speculative_method == "draft_model" else None)
         self.runner = runner or ModelRunner(config, self.loaded, devices, draft)
@@ -219,7 +220,7 @@ class LLMEngine:
                 seq.logits_state = (self._logits_state(child, ids) if i == 0 else
                                     seqs[0].logits_state.sibling(self._matcher(child)))
             if self.tokenizer is not None:
-                seq.detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
+                seq.detok = IncrementalDetokenizer(self.decoder, ids, child.skip_special_tokens)
             self._arrivals += 1
             seqs.append(seq)
         if n > 1:
