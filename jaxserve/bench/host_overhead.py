@@ -131,6 +131,7 @@ def _timed_parts(engine: LLMEngine, spent: dict[str, float]):
         if seq.detok is not None:
             seq.detok.__class__ = TimedDetokenizer
     patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "dispatch", "launch"),
+               (engine.postprocessor, "launched", "launch"),
                (engine.runner, "fetch", "fetch"), (engine.postprocessor, "resolve", "postprocess"),
                (engine, "_output", "outputs"), (engine, "_grouped", "outputs")]
     for obj, name, part in patches:

@@ -173,7 +173,9 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose K/V is computed (or being computed by a step
         already launched, which runs before any step that could read them)."""
-        if not self.enable_caching:
+        # (the first test alone ends most calls: a decode fills no block)
+        if (not self.enable_caching
+                or seq.num_computed_tokens // self.block_size <= seq.num_cached_blocks):
             return
         full = min(seq.num_computed_tokens, self._num_known(seq)) // self.block_size
         if full <= seq.num_cached_blocks:
