@@ -100,8 +100,10 @@ class BlockManager:
         """Return `seq`'s blocks past the first `num_tokens` tokens (taken for proposed
         tokens that were rejected; never named, so they go to the front of the queue)."""
         keep = max(self.blocks_needed(num_tokens), seq.num_cached_blocks)
-        while len(seq.block_table) > keep:
-            self._unref(seq.block_table.pop())
+        if len(seq.block_table) > keep:
+            for b in reversed(seq.block_table[keep:]):
+                self._unref(b)
+            seq.block_table = seq.block_table[:keep]  # a new list: tables only grow in place
 
     def _unref(self, b: int) -> None:
         """Drop a reference to block `b`; unused, it joins the free queue."""

@@ -42,6 +42,7 @@ from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
+from jaxserve.runtime.block_tables import BlockTableRows
 from jaxserve.runtime.runner import ModelRunner, RecompileError, StepResult
 from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
 from models.loader import LoadedModel, load_model
@@ -148,6 +149,7 @@ class LLMEngine:
         self.stat_logger = (StatLogger(config.log_stats_interval_s, time.perf_counter)
                             if config.log_stats_interval_s > 0 else None)
         self._in_flight: _Launched | None = None
+        self._tables = BlockTableRows(config.max_num_seqs, self.runner.buckets[2][-1])
         # structured output: the tokenizer's grammar form is built at the first use
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self.eos_token_ids)
@@ -429,7 +431,7 @@ class LLMEngine:
                 inp = build_step_inputs(sched.scheduled, self.runner.buckets,
                                         self.config.block_size, self.runner.num_blocks,
                                         self.runner.logits_shape, prev.rows if prev else None,
-                                        self.config.spec_tokens)
+                                        self.config.spec_tokens, self._tables)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step
