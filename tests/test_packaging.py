@@ -3,10 +3,13 @@ the CPU kernels' sources shipped; no top-level `kernels` or `models` of this pro
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
 import sys
+
+import pytest
 
 import jaxserve.kernels
 import jaxserve.models
@@ -38,6 +41,9 @@ def test_outside_the_checkout_only_jaxserve_is_ours(tmp_path):
 
 
 def test_in_the_tests_kernels_is_not_this_checkouts_folder():
-    """tests/conftest.py keeps the checkout's root after site-packages."""
+    """tests/conftest.py keeps the checkout's root after site-packages, so an installed
+    `kernels` (Hugging Face's, which newer transformers import) wins over the folder."""
     spec = importlib.util.find_spec("kernels")
-    assert spec is None or not ours(os.path.dirname(spec.origin or ""))
+    if spec is not None and ours(os.path.dirname(spec.origin or "")):
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.distribution("kernels")  # found last only for want of another

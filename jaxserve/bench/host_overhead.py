@@ -1,78 +1,209 @@
-"""Host overhead per step: scheduling plus building the padded step metadata, no model.
+"""Host work per engine step: the real engine loop over a runner that computes nothing.
 
-    python scripts/bench_scheduler.py [--running 64 256 1024] [--steps 300]
+    python scripts/bench_scheduler.py [--running 64 256 1024] [--steps 200] [--async]
+                                      [--device-ms 0]
 
-Keeps N requests of mixed prompt and output lengths in flight (a finished one is replaced at
-once), drives the real Scheduler and BlockManager with SimExecutor, and times schedule() and
-build_step_inputs() for every step. Prints median and p99 per N.
+Runs LLMEngine (schedule, input build, launch, postprocess with detokenization, the outputs
+to the caller) with the default model's config and tokenizer, but with ZeroCostRunner in place
+of the model: a step costs no device time (or `--device-ms`, as if a device ran it). Keeps N
+requests of mixed prompt and output lengths in flight (a finished one is replaced at once) and
+prints, per N, each part's median and p99 per step. "step" is engine.step() plus the requests
+added before it, timed in a pass of its own without the per-part timers; the parts are timed in
+a second pass over the same workload.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import time
 
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine import llm_engine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.runtime.logits_processing import LogitsShape
-from jaxserve.runtime.step_inputs import build_step_inputs
-from jaxserve.testing.sim import SimExecutor
+from jaxserve.runtime.runner import StepOutput
+from jaxserve.runtime.step_inputs import StepInputs
+
+PARTS = ("add", "schedule", "build", "launch", "fetch", "postprocess", "detokenize", "outputs")
 
 
-def bench(num_running: int, steps: int, seed: int = 0) -> dict:
-    block_size, max_len = 16, 4096
-    budget = max(2048, 2 * num_running)
-    cfg = EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=budget,
-                       max_model_len=max_len, block_size=block_size)
-    buckets = cfg.buckets()
-    num_blocks = num_running * (max_len // block_size) // 2
-    logits_shape = LogitsShape(vocab_size=49152, history=max_len)
-    sim = SimExecutor(cfg.scheduler_config(), num_blocks, block_size,
-                      check_kv=False)
-    rng = np.random.default_rng(seed)
-    counter = 0
+class ZeroCostRunner:
+    """ModelRunner's interface without a model: a step "samples" a token that depends on the
+    row's seed and position, at once, or `device_s` after the device (a queue of steps) would
+    have started it."""
 
-    def top_up():
-        nonlocal counter
-        while len(sim.requests) < num_running:
-            prompt = int(min(rng.lognormal(5.0, 1.0), 1500)) + 1
-            sim.add(f"r{counter}", prompt, int(rng.integers(16, 512)))
-            counter += 1
+    def __init__(self, config: EngineConfig, vocab_size: int, device_s: float = 0.0):
+        self.buckets = config.buckets()
+        self.num_blocks = config.num_kv_blocks
+        self.num_host_blocks = 0
+        self.logits_shape = LogitsShape(vocab_size, config.max_model_len)
+        self.num_compiles = 0
+        self.vocab_size = vocab_size
+        self.device_s = device_s
+        self._device_free = 0.0  # when the last launched step ends
 
-    top_up()
-    for _ in range(20):  # reach a steady mix of decodes and prefill chunks
-        sim.step()
-        top_up()
-    sched_t, build_t, sizes = [], [], []
-    sched = sim.scheduler
+    def dispatch(self, inp: StepInputs) -> tuple[StepOutput, float]:
+        pos = inp.attn.positions[inp.logits_indices].astype(np.int64)
+        tokens = (pos * 7919 + inp.sampling.seeds) % self.vocab_size
+        done = max(time.perf_counter(), self._device_free) + self.device_s
+        self._device_free = done
+        out = StepOutput(tokens.astype(np.int32)[:, None],
+                         inp.sampling.samples.astype(np.int32))
+        return out, done
+
+    def fetch(self, step: tuple[StepOutput, float], want_logprobs: bool,
+              want_prompt_logprobs: bool = False) -> StepOutput:
+        out, done = step
+        if (wait := done - time.perf_counter()) > 0:
+            time.sleep(wait)
+        return out
+
+    def warmup(self) -> float:
+        return 0.0
+
+    def flush_host_copies(self) -> None:
+        pass
+
+    def keepalive(self) -> None:
+        pass
+
+
+def make_engine(num_running: int, loaded, async_scheduling: bool,
+                device_s: float = 0.0) -> LLMEngine:
+    max_len = 4096
+    cfg = EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=max(2048, 2 * num_running),
+                       max_model_len=max_len, block_size=16,
+                       num_kv_blocks=num_running * (max_len // 16) // 2,
+                       async_scheduling=async_scheduling)
+    runner = ZeroCostRunner(cfg, loaded.config.vocab_size, device_s)
+    return LLMEngine(cfg, loaded, runner=runner)
+
+
+class _Workload:
+    """N requests in flight: lognormal prompts of random ids, 16-511 output tokens each."""
+
+    def __init__(self, engine: LLMEngine, num_running: int, seed: int = 0):
+        self.engine, self.num_running = engine, num_running
+        self.rng = np.random.default_rng(seed)
+        self.count = 0
+        self.vocab = engine.model_config.vocab_size
+
+    def top_up(self) -> None:
+        e = self.engine
+        while e.num_unfinished_requests < self.num_running:
+            n = int(min(self.rng.lognormal(5.0, 1.0), 1500)) + 1
+            ids = self.rng.integers(0, self.vocab, n).tolist()
+            params = SamplingParams(temperature=0, ignore_eos=True,
+                                    max_tokens=int(self.rng.integers(16, 512)))
+            e.add_request(f"r{self.count}", prompt_token_ids=ids, params=params)
+            self.count += 1
+
+    def step(self) -> int:
+        self.top_up()
+        return sum(len(o.outputs[0].new_token_ids) for o in self.engine.step())
+
+
+@contextlib.contextmanager
+def _timed_parts(engine: LLMEngine, spent: dict[str, float]):
+    """Wrap the engine's parts so that each adds its time to spent[part]."""
+
+    def timed(part, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[part] += time.perf_counter() - t
+        return wrapper
+
+    detok_cls = llm_engine.IncrementalDetokenizer
+
+    class TimedDetokenizer(detok_cls):
+        __slots__ = ()
+        add = timed("detokenize", detok_cls.add)
+
+    for seq in engine.requests.values():  # those added before are timed too
+        if seq.detok is not None:
+            seq.detok.__class__ = TimedDetokenizer
+    patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "dispatch", "launch"),
+               (engine.postprocessor, "launched", "launch"),
+               (engine.runner, "fetch", "fetch"), (engine.postprocessor, "resolve", "postprocess"),
+               (engine, "_output", "outputs"), (engine, "_grouped", "outputs")]
+    for obj, name, part in patches:
+        setattr(obj, name, timed(part, getattr(obj, name)))
+    build = llm_engine.build_step_inputs
+    llm_engine.build_step_inputs = timed("build", build)
+    llm_engine.IncrementalDetokenizer = TimedDetokenizer
+    try:
+        yield
+    finally:
+        llm_engine.build_step_inputs = build
+        llm_engine.IncrementalDetokenizer = detok_cls
+        for obj, name, _ in patches:
+            delattr(obj, name)
+
+
+def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
+          device_ms: float = 0.0, warm_steps: int = 20) -> dict:
+    """{"running", "tokens_per_step", "tok_s", "p50": {part: ms}, "p99": {part: ms}}."""
+    engine = make_engine(num_running, loaded, async_scheduling, device_ms / 1e3)
+    work = _Workload(engine, num_running)
+    for _ in range(warm_steps):  # reach a steady mix of decodes and prefill chunks
+        work.step()
+    step_t, tokens = [], 0
+    t_start = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        t1 = time.perf_counter()
-        if out.scheduled:
-            build_step_inputs(out.scheduled, buckets, block_size, num_blocks, logits_shape)
-        t2 = time.perf_counter()
-        sched_t.append(t1 - t0)
-        build_t.append(t2 - t1)
-        sizes.append(len(out.scheduled))
-        sim.execute(out)  # the engine's postprocess (not timed: it is not scheduling)
-        top_up()
-    total = np.array(sched_t) + np.array(build_t)
+        t = time.perf_counter()
+        tokens += work.step()
+        step_t.append(time.perf_counter() - t)
+    elapsed = time.perf_counter() - t_start
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    with _timed_parts(engine, spent := collections.defaultdict(float)):
+        for _ in range(steps):
+            spent.clear()
+            t = time.perf_counter()
+            work.top_up()
+            spent["add"] = time.perf_counter() - t
+            engine.step()
+            for part in PARTS:
+                parts[part].append(spent[part])
+    parts["step"] = step_t
     ms = lambda a, q: float(np.percentile(a, q) * 1e3)
-    return {"running": num_running, "seqs_per_step": float(np.mean(sizes)),
-            "schedule_p50_ms": ms(sched_t, 50), "build_p50_ms": ms(build_t, 50),
-            "total_p50_ms": ms(total, 50), "total_p99_ms": ms(total, 99)}
+    return {"running": num_running, "tokens_per_step": tokens / steps, "tok_s": tokens / elapsed,
+            "p50": {k: ms(v, 50) for k, v in parts.items()},
+            "p99": {k: ms(v, 99) for k, v in parts.items()}}
+
+
+def format_table(results: list[dict]) -> str:
+    head = f"{'ms per step':<12}" + "".join(f"{r['running']:>9} p50 {'p99':>7}"
+                                             for r in results)
+    lines = [head]
+    for part in (*PARTS, "step"):
+        lines.append(f"{part:<12}" + "".join(f"{r['p50'][part]:>13.3f} {r['p99'][part]:>7.3f}"
+                                             for r in results))
+    lines.append(f"{'tokens/step':<12}" + "".join(f"{r['tokens_per_step']:>21.1f}"
+                                                  for r in results))
+    lines.append(f"{'tok/s':<12}" + "".join(f"{r['tok_s']:>21.0f}" for r in results))
+    return "\n".join(lines)
 
 
 def main() -> None:
+    from jaxserve.models.loader import load_model
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--running", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--async", dest="async_scheduling", action="store_true",
+                    help="asynchronous scheduling (step N+1 launched before N's tokens are read)")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="device time of each step (the runner sleeps it out at fetch)")
     args = ap.parse_args()
-    print(f"{'running':>8} {'seqs/step':>9} {'sched p50':>10} {'build p50':>10} "
-          f"{'total p50':>10} {'total p99':>10}  (ms)")
-    for n in args.running:
-        r = bench(n, args.steps)
-        print(f"{r['running']:>8} {r['seqs_per_step']:>9.0f} {r['schedule_p50_ms']:>10.3f} "
-              f"{r['build_p50_ms']:>10.3f} {r['total_p50_ms']:>10.3f} {r['total_p99_ms']:>10.3f}")
+    loaded = load_model()  # only its config and tokenizer are used
+    results = [bench(n, args.steps, loaded, args.async_scheduling, args.device_ms)
+               for n in args.running]
+    print(format_table(results))

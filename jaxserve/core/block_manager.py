@@ -100,8 +100,10 @@ class BlockManager:
         """Return `seq`'s blocks past the first `num_tokens` tokens (taken for proposed
         tokens that were rejected; never named, so they go to the front of the queue)."""
         keep = max(self.blocks_needed(num_tokens), seq.num_cached_blocks)
-        while len(seq.block_table) > keep:
-            self._unref(seq.block_table.pop())
+        if len(seq.block_table) > keep:
+            for b in reversed(seq.block_table[keep:]):
+                self._unref(b)
+            seq.block_table = seq.block_table[:keep]  # a new list: tables only grow in place
 
     def _unref(self, b: int) -> None:
         """Drop a reference to block `b`; unused, it joins the free queue."""
@@ -173,7 +175,9 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose K/V is computed (or being computed by a step
         already launched, which runs before any step that could read them)."""
-        if not self.enable_caching:
+        # (the first test alone ends most calls: a decode fills no block)
+        if (not self.enable_caching
+                or seq.num_computed_tokens // self.block_size <= seq.num_cached_blocks):
             return
         full = min(seq.num_computed_tokens, self._num_known(seq)) // self.block_size
         if full <= seq.num_cached_blocks:

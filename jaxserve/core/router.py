@@ -52,7 +52,7 @@ class Router:
         then refuses them, naming the field)."""
         check_salt(cache_salt)
         names = []
-        if self.prefix_aware and prompt_token_ids:
+        if self.prefix_aware and prompt_token_ids and len(self.loads) > 1:  # else no choice
             with contextlib.suppress(TypeError, OverflowError):
                 names = extend_hashes([], prompt_token_ids, self.block_size, cache_salt)
         with self._lock:

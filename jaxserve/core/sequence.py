@@ -45,6 +45,8 @@ class Sequence:
         self.priority = priority
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # Changed in place only by appends; anything else assigns a new list (the step builder
+        # copies only what is new while the list is the same: runtime/block_tables.py).
         self.block_table: list[int] = []
         self.stop_reason: str | int | None = None
         self.seed = seed  # per-request RNG stream: (seed, number of tokens generated)

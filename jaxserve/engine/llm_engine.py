@@ -37,12 +37,13 @@ from jaxserve.core.speculative import (
     Speculator,
 )
 from jaxserve.core.swap_space import SwapSpace
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.runtime.block_tables import BlockTableRows
 from jaxserve.runtime.runner import ModelRunner, RecompileError, StepResult
 from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
 
@@ -99,18 +100,22 @@ class QueueFullError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 devices: list[jax.Device] | None = None, **kwargs):
+                 devices: list[jax.Device] | None = None, runner: ModelRunner | None = None,
+                 **kwargs):
         """`devices`: the device group this engine runs on (default: the first
-        tensor_parallel_size devices); engine/data_parallel.py gives each replica its own."""
+        tensor_parallel_size devices); engine/data_parallel.py gives each replica its own.
+        `runner`: one built elsewhere with ModelRunner's interface (bench/host_overhead.py's
+        stand-in that runs no model); `loaded` then gives the model's config and tokenizer."""
         config = config or EngineConfig(**kwargs)
         platform = devices[0].platform if devices else jax.default_backend()
         self.config = config = config.on_platform(platform)
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         draft = (load_model(config.speculative_model)
                  if config.speculative_method == "draft_model" else None)
-        self.runner = ModelRunner(config, self.loaded, devices, draft)
+        self.runner = runner or ModelRunner(config, self.loaded, devices, draft)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # speculative decoding (core/speculative.py): the scheduler asks it for proposals
@@ -144,6 +149,7 @@ class LLMEngine:
         self.stat_logger = (StatLogger(config.log_stats_interval_s, time.perf_counter)
                             if config.log_stats_interval_s > 0 else None)
         self._in_flight: _Launched | None = None
+        self._tables = BlockTableRows(config.max_num_seqs, self.runner.buckets[2][-1])
         # structured output: the tokenizer's grammar form is built at the first use
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self.eos_token_ids)
@@ -216,7 +222,7 @@ class LLMEngine:
                 seq.logits_state = (self._logits_state(child, ids) if i == 0 else
                                     seqs[0].logits_state.sibling(self._matcher(child)))
             if self.tokenizer is not None:
-                seq.detok = IncrementalDetokenizer(self.tokenizer, ids, child.skip_special_tokens)
+                seq.detok = IncrementalDetokenizer(self.decoder, ids, child.skip_special_tokens)
             self._arrivals += 1
             seqs.append(seq)
         if n > 1:
@@ -425,7 +431,7 @@ class LLMEngine:
                 inp = build_step_inputs(sched.scheduled, self.runner.buckets,
                                         self.config.block_size, self.runner.num_blocks,
                                         self.runner.logits_shape, prev.rows if prev else None,
-                                        self.config.spec_tokens)
+                                        self.config.spec_tokens, self._tables)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step

@@ -64,17 +64,20 @@ class Postprocessor:
         its prompt's end). Sequences that finished meanwhile (a stop in the step before, an
         abort) are skipped: what was computed for them is dropped."""
         updates = []
+        append = self._append
         for i, s in enumerate(scheduled):
-            seq = s.seq
             row = tokens[i]
-            if not row or seq.is_finished:
+            if not row:
+                continue
+            seq = s.seq
+            if seq.is_finished:
                 continue
             update = SeqUpdate(seq, [], "", False)
             try:
+                scored = logprobs is not None and seq.logprobs is not None
                 for j, token in enumerate(row):
-                    entry = (logprobs(i, j, seq.params.logprobs)
-                             if logprobs is not None and seq.logprobs is not None else None)
-                    self._append(seq, int(token), now, entry, update)
+                    entry = logprobs(i, j, seq.params.logprobs) if scored else None
+                    append(seq, int(token), now, entry, update)
                     if update.finished:
                         break  # tokens after a stop are dropped
                 if s.drafts and not update.finished:
@@ -97,14 +100,15 @@ class Postprocessor:
         p = seq.params
         reason, stop_reason = None, None
         # The grammar (structured output) sees every token; once complete, nothing may follow.
-        grammar_done = seq.logits_state is not None and seq.logits_state.consume(token)
+        state, detok = seq.logits_state, seq.detok
+        grammar_done = state is not None and state.consume(token)
         is_eos = token in self.eos_token_ids and not p.ignore_eos
-        new_text = "" if seq.detok is None or is_eos else seq.detok.add(token)
+        new_text = "" if detok is None or is_eos else detok.add(token)
         if new_text:
             seq.text += new_text
         if is_eos:
             reason = "stop"
-        elif token in p.stop_token_ids:
+        elif p.stop_token_ids and token in p.stop_token_ids:
             reason, stop_reason = "stop", token
         elif new_text and p.stop:
             # Only the tail can hold a new match: the new text plus a stop string's length.
@@ -121,8 +125,9 @@ class Postprocessor:
                 reason = "stop"
         if reason is None and grammar_done:
             reason = "stop"
-        update.new_text += new_text
-        if reason is None and seq.reaches_length(seq.num_output_tokens, self.max_model_len):
+        if new_text:
+            update.new_text += new_text
+        if reason is None and seq.reaches_length(len(seq.output_token_ids), self.max_model_len):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop_reason

@@ -13,6 +13,7 @@ from jaxserve.core.scheduler import ScheduledSeq, pick_bucket, prompt_rows
 from jaxserve.core.sequence import PENDING
 from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.runtime import logits_processing
+from jaxserve.runtime.block_tables import BlockTableRows
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
 from jaxserve.runtime.speculative import SpecInputs
@@ -60,10 +61,12 @@ def build_step_inputs(
     logits_shape: LogitsShape,
     prev_rows: Mapping[str, int] | None = None,
     spec_k: int = 0,
+    tables: BlockTableRows | None = None,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
-    row may propose (speculative decoding); a step without proposals gets K = 0."""
+    row may propose (speculative decoding); a step without proposals gets K = 0. `tables`:
+    the block tables kept from earlier steps (else each is copied whole)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
@@ -98,9 +101,12 @@ def build_step_inputs(
     query_start_loc[:num_seqs] = qsl[:-1]
     context_lens[:num_seqs] = starts + ns
     logits_indices[:num_seqs] = qsl[1:] - 1
-    for i, sch in enumerate(scheduled):
-        table = sch.seq.block_table
-        block_tables[i, :len(table)] = table
+    if tables is not None:
+        tables.fill(scheduled, block_tables)
+    else:
+        for i, sch in enumerate(scheduled):
+            table = sch.seq.block_table
+            block_tables[i, :len(table)] = table
     seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), ns)  # (num_tokens,)
     pos = starts[seq_of_row] + (np.arange(num_tokens, dtype=np.int32) - qsl[:-1][seq_of_row])
     positions[:num_tokens] = pos

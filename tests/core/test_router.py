@@ -71,10 +71,10 @@ def test_salts_and_partial_blocks_do_not_match():
 
 
 def test_the_memory_of_prefixes_is_bounded():
-    r = Router(1, B, max_names=5)
+    r = Router(2, B, max_names=5)
     for i in range(10):
         r.route(f"r{i}", prompt(i, n_blocks=2))
-    assert len(r._names[0]) == 5
+    assert [len(names) for names in r._names] == [5, 5]
     with pytest.raises(ValueError, match="num_replicas"):
         Router(0, B)
 
@@ -85,3 +85,10 @@ def test_bad_salt_is_refused_and_bad_ids_route_by_load():
         router.route("a", [1, 2, 3, 4, 5], True)
     assert router.route("b", [2**70] * 8) in (0, 1)  # no name: the replica refuses it
     assert router.route("c", [1.5] * 8) in (0, 1)
+
+
+def test_one_replica_keeps_no_prefixes():
+    r = Router(1, B)
+    for i in range(4):
+        assert r.route(f"r{i}", prompt(i % 2)) == 0
+    assert not r._names[0] and r.loads[0].in_flight == 4 and r.loads[0].prefix_routed == 0

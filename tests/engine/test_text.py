@@ -5,10 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tests.helpers import run_all
 
 pytestmark = pytest.mark.slow
@@ -25,10 +26,40 @@ def test_incremental_detokenizer_handles_multibyte(smollm):
     text = "naïve café — 你好，世界! 🙂👍 ∑x² done"
     ids = tok(text).input_ids
     prompt = tok("Say:").input_ids
-    detok = IncrementalDetokenizer(tok, prompt)
+    detok = IncrementalDetokenizer(TokenDecoder(tok), prompt)
     pieces = [detok.add(t) for t in ids]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+def _two_decodes(tok, prompt: list[int], tokens: list[int], skip: bool) -> list[str]:
+    """The detokenizer's rule written plainly: both windows decoded by the tokenizer at each
+    token."""
+    ids, prefix, read, pieces = list(prompt[-5:]), 0, len(prompt[-5:]), []
+    for t in tokens:
+        ids.append(t)
+        before = tok.decode(ids[prefix:read], skip_special_tokens=skip)
+        after = tok.decode(ids[prefix:], skip_special_tokens=skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            pieces.append("")
+            continue
+        prefix, read = read, len(ids)
+        pieces.append(after[len(before):])
+    return pieces
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_detokenizer_matches_decoding_both_windows(smollm, skip):
+    tok = smollm.tokenizer
+    rng = np.random.default_rng(0)
+    decoder = TokenDecoder(tok)  # shared, as by an engine's sequences
+    multibyte = tok("你好 🙂 naïve — ∑", add_special_tokens=False).input_ids
+    for i in range(30):
+        prompt = rng.integers(0, tok.vocab_size, 1 + i % 7).tolist()
+        pool = multibyte + list(tok.all_special_ids) if i % 2 else list(range(tok.vocab_size))
+        tokens = [int(t) for t in rng.choice(pool, 40)]
+        detok = IncrementalDetokenizer(decoder, prompt, skip)
+        assert [detok.add(t) for t in tokens] == _two_decodes(tok, prompt, tokens, skip)
 
 
 def test_stream_text_equals_final_text_and_stop_string_trims(engine):

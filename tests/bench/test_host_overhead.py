@@ -1,0 +1,45 @@
+"""The host-overhead benchmark: the real engine loop over a runner that computes nothing."""
+
+from __future__ import annotations
+
+from jaxserve.bench.host_overhead import PARTS, bench, make_engine
+from jaxserve.core.sampling_params import SamplingParams
+from tests.helpers import run_all
+
+
+def _run(loaded, async_scheduling: bool) -> dict:
+    engine = make_engine(16, loaded, async_scheduling)
+    for i in range(40):
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=5 + i % 7,
+                                stop=["e"] if i % 3 == 0 else None)
+        engine.add_request(f"r{i}", prompt_token_ids=list(range(100 + i, 140 + 3 * i)),
+                           params=params)
+    return {rid: (out.outputs[0].token_ids, out.outputs[0].text, out.outputs[0].finish_reason)
+            for rid, out in run_all(engine).items()}
+
+
+def test_zero_cost_runner_gives_the_same_outputs_sync_and_async(smollm):
+    sync, asynchronous = _run(smollm, False), _run(smollm, True)
+    assert sync == asynchronous and len(sync) == 40
+    assert {reason for _, _, reason in sync.values()} == {"stop", "length"}
+
+
+def test_bench_times_every_part(smollm):
+    r = bench(8, 6, smollm, warm_steps=2)
+    assert set(r["p50"]) == {*PARTS, "step"}
+    assert r["tokens_per_step"] > 0 and r["p50"]["step"] > 0
+    # detokenizing is part of postprocessing, step by step
+    assert r["p50"]["detokenize"] <= r["p50"]["postprocess"]
+
+
+def test_async_scheduling_steps_at_the_device_pace(smollm):
+    """With a device time of twice the host's per step, asynchronous scheduling runs at the
+    device's pace and synchronous at the sum of both (loose bounds: a busy machine)."""
+    running, steps = 32, 40
+    host = bench(running, steps, smollm, warm_steps=5)["p50"]["step"]
+    device_ms = max(2.0, 2 * host)
+    asynchronous = bench(running, steps, smollm, True, device_ms, warm_steps=5)
+    sync = bench(running, steps, smollm, False, device_ms, warm_steps=5)
+    ideal = asynchronous["tokens_per_step"] / (device_ms / 1e3)
+    assert asynchronous["tok_s"] >= 0.8 * ideal
+    assert asynchronous["tok_s"] >= 1.15 * sync["tok_s"]
