@@ -71,7 +71,9 @@ def query_tiles(query_start_loc: jax.Array, num_tiles: int, block_q: int):
     sequences. (num_tiles,) int32 each; unused tiles get a first row past every sequence."""
     per_seq, cum = _tiles_per_seq(query_start_loc, block_q)
     idx = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(cum, idx, side="right").astype(jnp.int32)
+    # compare_all is one fused op; the default binary search is a while loop, whose condition
+    # a GPU reads back on the host at every iteration (a sync per layer)
+    seq = jnp.searchsorted(cum, idx, side="right", method="compare_all").astype(jnp.int32)
     valid = idx < cum[-1]
     seq = jnp.where(valid, seq, 0)
     row = (idx - (cum[seq] - per_seq[seq])) * block_q
