@@ -102,6 +102,11 @@ class EngineConfig:
         None, "launch step N+1 before step N's tokens are read back, so the host's work "
               "hides under the device's step; same tokens either way (default: on with an "
               "accelerator, off on a CPU, where host and device share the cores)")
+    plain_programs: bool | None = option(
+        None, "a second program per bucket for steps whose rows are all greedy or sample "
+              "from the temperature alone, with no logprobs or logit processing: it has no "
+              "runtime branches, each of which a GPU resolves by waiting for the device "
+              "(default: on with an accelerator, off on a CPU, where branches cost nothing)")
     compilation_cache_dir: str | None = option(
         None, "persistent XLA compilation cache, so a second start loads its programs "
               "(default: $JAXSERVE_CACHE_DIR/xla or ~/.cache/jaxserve/xla; '' turns it off)")

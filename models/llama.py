@@ -113,6 +113,9 @@ class DecoderLayer(nn.Module):
         blocks it reads (it then scales x once for the group), else (and for a group of one) one
         at a time (project_one).
         `stacks`: weights held apart as every layer's stack, read at layer `layer`."""
+        fused = FUSED.get(tuple(name for name, _ in group))
+        if fused is not None and self.has_variable("params", fused):
+            return self.project_fused(x, fused, [shape for _, shape in group], contract)
         held = [stacks is not None and name in stacks for name, _ in group]
         if self.block_matmul is not None and len(group) > 1 and len(set(held)) == 1:
             ws = [stacks[name] if apart else
@@ -148,6 +151,15 @@ class DecoderLayer(nn.Module):
         k = math.prod(shape[:contract])
         return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
 
+    def project_fused(self, x: jax.Array, name: str, shapes: list[tuple[int, ...]],
+                      contract: int) -> list[jax.Array]:
+        """project() of a group whose weights fuse_projections() concatenated into `name`
+        along their first output axis: one dot, its output split back."""
+        sizes = [shape[contract] for shape in shapes]
+        whole = (*shapes[0][:contract], sum(sizes), *shapes[0][contract + 1:])
+        y = self.project_one(x, name, whole, contract)  # (T, sum(sizes), ...)
+        return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=1)
+
     def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
         """A projection in the compute dtype. Stored GGUF blocks (kernels/quant.py) are
         dequantized here, inside the step, so only their int8 codes stream from memory (and,
@@ -165,6 +177,31 @@ def layout_params(params: dict, num_layers: int, scan_layers: bool) -> dict:
     for i in range(num_layers):
         out[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
     return out
+
+
+# projections that read the same input, each group computable as one matmul: fuse_projections()
+FUSED = {("wq", "wk", "wv"): "wqkv", ("w_gate", "w_up"): "w_gate_up"}
+
+
+def fuse_projections(params: dict, scan_layers: bool) -> dict:
+    """Each layer's q/k/v and gate/up weights concatenated along their first output axis
+    (wq (D, N, H), wk and wv (D, K, H) -> wqkv (D, N + 2K, H); w_gate, w_up (D, F) ->
+    w_gate_up (D, 2F)): one matmul each instead of three and two. Groups with a quantized
+    weight stay apart. Takes and returns the layout of layout_params(..., scan_layers)."""
+    def fuse(layer: dict, stacked: int) -> dict:
+        out = dict(layer)
+        for names, name in FUSED.items():
+            ws = [layer.get(n) for n in names]
+            if any(w is None or is_quantized(w) for w in ws):
+                continue
+            out[name] = np.concatenate([np.asarray(w) for w in ws], axis=1 + stacked)
+            for n in names:
+                del out[n]
+        return out
+
+    return {k: (fuse(v, 1) if k == "layers" and scan_layers else
+                fuse(v, 0) if k.startswith("layers_") and not scan_layers else v)
+            for k, v in params.items()}
 
 
 def split_layer_blocks(params: dict, held_apart: Callable[[dict], bool]) -> dict:

@@ -109,7 +109,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         return (self.needs_history or bool(self.logit_bias)
-                or self.allowed_token_ids is not None)
+                or self.allowed_token_ids is not None or self.min_p > 0)
 
     def validate(self, max_logprobs: int) -> None:
         """Raise ValueError naming the first bad field.

@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from jaxserve.config import option
+from jaxserve.runtime.step_inputs import Program
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ ENV = {"coordinator_address": "JAXSERVE_COORDINATOR_ADDRESS",
 
 NOOP, STEP, STOP = 0, 1, 2
 KEEPALIVE_S = 1.0
+_NO_PROGRAM = Program(0, 0, 0)
 EXIT_PEER_LOST = 75  # the exit status of a process whose peer is gone
 
 
@@ -145,7 +147,8 @@ class StepBroadcast:
         self._dummy = dummy_inputs
         self._last = time.monotonic()
 
-    def _send_header(self, op: int, program=(0, 0, 0, 0), processed: bool = False) -> None:
+    def _send_header(self, op: int, program: Program = _NO_PROGRAM,
+                     processed: bool = False) -> None:
         self._broadcast(np.asarray([op, *program, processed], np.int32))
         self._last = time.monotonic()
 
@@ -165,10 +168,11 @@ class StepBroadcast:
 
     def receive(self):
         """-> (op, StepInputs or None): what the leader sent next (a follower blocks here)."""
-        op, t, s, b, k, processed = self._broadcast(np.zeros(6, np.int32)).tolist()
+        op, *program, processed = self._broadcast(
+            np.zeros(len(Program._fields) + 2, np.int32)).tolist()
         if op != STEP:
             return op, None
-        template = self._dummy((t, s, b, k))
+        template = self._dummy(Program(*program[:-1], bool(program[-1])))
         if processed:
             return op, self._broadcast(template)
         got = self._broadcast(dataclasses.replace(template, processing=None))

@@ -34,6 +34,7 @@ from jaxserve.kernels.cpu_matmul import block_matmul_or_none
 from jaxserve.models.llama import (
     HEAD_BLOCKS,
     Transformer,
+    fuse_projections,
     head_blocks,
     layout_params,
     lm_logits,
@@ -48,9 +49,16 @@ from jaxserve.runtime import (
     sharding,
 )
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
-from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
+from jaxserve.runtime.sampling import (
+    PromptLogprobs,
+    SamplerOutput,
+    no_prompt_logprobs,
+    prompt_logprobs,
+    sample,
+    sample_plain,
+)
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
-from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
+from jaxserve.runtime.step_inputs import Program, StepInputs, dummy_step_inputs, seq_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +70,7 @@ class RecompileError(RuntimeError):
 class _ProgramError(Exception):
     """A step program failed to lower or compile at warmup (which one, and the error)."""
 
-    def __init__(self, program: tuple[int, int, int, int], error: Exception):
+    def __init__(self, program: Program, error: Exception):
         super().__init__(program, error)
         self.program, self.error = program, error
 
@@ -165,6 +173,12 @@ class ModelRunner:
                              and self.dtype == jnp.float32 and cpu_matmul.available() is None
                              else None)
 
+        on_cpu = self.devices[0].platform == "cpu"
+        self.plain_programs = (config.plain_programs if config.plain_programs is not None
+                               else not on_cpu)
+        fuse = (self.block_matmul is None and self.mesh is None
+                and not on_cpu)
+
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
             weights (kernels/quant.py) as they are, or expanded with quantization=none; with
@@ -173,6 +187,8 @@ class ModelRunner:
             p = layout_params(p, cfg.num_layers, scan)
             if not keep_blocks:
                 p = quant.dequantize_tree(p)
+            if fuse:  # off the CPU: q/k/v and gate/up as one matmul each
+                p = fuse_projections(p, scan)
             if self.block_matmul is not None:
                 p = {k: cpu_matmul.pack(v, int(scan and k == "layers")) for k, v in p.items()}
                 if scan:  # read in place at each layer's index, not sliced out per layer
@@ -276,7 +292,7 @@ class ModelRunner:
         # executable loaded from JAX's cache cannot be; runtime/executable_cache.py).
         step.__name__ = step.__qualname__ = f"step_{executable_cache.source_digest()[:16]}"
         self._jitted = jax.jit(step, donate_argnums=(1,), **self._jit_kw)
-        self._executables: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}
+        self._executables: dict[Program, jax.stages.Compiled] = {}
         self.executable_cache = executable_cache.ExecutableCache.create(
             self.compilation_cache_dir, "\n".join([
                 repr(self.config), repr(self.model_config), repr(self.draft_config),
@@ -364,20 +380,30 @@ class ModelRunner:
             return sample(logits_processing.apply(logits, inp.processing), inp.sampling,
                           max_logprobs, inp.processing.min_p, raw_logits=logits)
 
+        if not spec_k and self.mesh is not None:
+            logits = sharding.gather_once(logits, self.mesh)
+        if inp.plain:  # no branches: every row greedy or from its temperature alone
+            with jax.named_scope("sample"):
+                out = sample_plain(logits, inp.sampling, max_logprobs)
+            prompt = no_prompt_logprobs(hidden.shape[0], max_logprobs)
+            return pools, StepResult(out, prompt), self._next_tokens(out, last_tokens)
         with jax.named_scope("sample"):
             if not spec_k:
-                out = sample_rows(logits if self.mesh is None
-                                  else sharding.gather_once(logits, self.mesh))
+                out = sample_rows(logits)
             else:
                 out = self._sample_or_verify(hidden, head_logits, inp,
                                              max_logprobs)
         with jax.named_scope("prompt_logprobs"):
             prompt = prompt_logprobs(head_logits, hidden, inp.prompt_targets, max_logprobs)
-        # each row's last token (a later step's input under asynchronous scheduling)
+        return pools, StepResult(out, prompt), self._next_tokens(out, last_tokens)
+
+    @staticmethod
+    def _next_tokens(out: SamplerOutput, last_tokens: jax.Array) -> jax.Array:
+        """Each row's last token, padded to last_tokens' shape (a later step's input under
+        asynchronous scheduling)."""
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.num_tokens - 1, 0)[:, None],
                                    axis=1)[:, 0]
-        next_tokens = jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
-        return pools, StepResult(out, prompt), next_tokens
+        return jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
 
     def _run_draft(self, params, kv: KVCache, ids: jax.Array, md, want_logits: bool):
         """The draft model over rows `ids` (runtime/speculative.py's DraftFn)."""
@@ -410,10 +436,14 @@ class ModelRunner:
         tok, seq, blk = self.buckets
         return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
 
-    def all_programs(self) -> list[tuple[int, int, int, int]]:
-        """(bucket, K): every bucket without proposals and, under speculation, with K."""
+    def all_programs(self) -> list[Program]:
+        """Every bucket without proposals, under speculation with K too, and with
+        plain_programs the plain variant of each."""
         ks = sorted({0, self.config.spec_tokens})
-        return [(*b, k) for b in self.all_buckets() for k in ks]
+        programs = [Program(*b, k) for b in self.all_buckets() for k in ks]
+        if self.plain_programs:
+            programs += [Program(*b, 0, True) for b in self.all_buckets()]
+        return programs
 
     def _unused_processing(self, s: int) -> logits_processing.LogitsInputs:
         """The neutral logit-processing inputs of sequence bucket `s`, kept on the device."""
@@ -421,16 +451,16 @@ class ModelRunner:
             self._unused[s] = jax.device_put(self.logits_shape.unused(s), self._replicated)
         return self._unused[s]
 
-    def _dummy_inputs(self, program: tuple[int, int, int, int]) -> StepInputs:
-        t, s, mb, k = program
-        return dummy_step_inputs(t, s, mb, self.block_size, self.num_blocks, self.logits_shape,
-                                 k)
+    def _dummy_inputs(self, program: Program) -> StepInputs:
+        return dummy_step_inputs(program.tokens, program.seqs, program.blocks, self.block_size,
+                                 self.num_blocks, self.logits_shape, program.spec_k,
+                                 program.plain)
 
-    def _lower(self, program: tuple[int, int, int, int]) -> jax.stages.Lowered:
+    def _lower(self, program: Program) -> jax.stages.Lowered:
         return self._jitted.lower(self.step_params, self.pools, self._last_tokens,
                                   self._dummy_inputs(program))
 
-    def _compile(self, program: tuple[int, int, int, int]) -> jax.stages.Compiled:
+    def _compile(self, program: Program) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
             raise RecompileError(f"program {program} (tokens, sequences, blocks, proposal "
                                  f"slots) was not compiled at warmup")
@@ -447,10 +477,10 @@ class ModelRunner:
         self._executables[program] = exe
         return exe
 
-    def _cached(self, program: tuple[int, int, int, int]) -> jax.stages.Compiled | None:
+    def _cached(self, program: Program) -> jax.stages.Compiled | None:
         return None if self.executable_cache is None else self.executable_cache.load(program)
 
-    def _build(self, program: tuple[int, int, int, int],
+    def _build(self, program: Program,
                lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         self.num_compiles += 1
         if self.executable_cache is None:
@@ -509,7 +539,7 @@ class ModelRunner:
             for program, exe in zip(todo, pool.map(build, todo, lowered), strict=True):
                 self._executables[program] = exe
 
-    def _fall_back(self, program: tuple[int, int, int, int], error: Exception) -> bool:
+    def _fall_back(self, program: Program, error: Exception) -> bool:
         """`program` failed to build. If its attention kernel alone fails to build at its
         shapes and auto named a fallback not taken yet, switch to that backend (the programs
         built so far are dropped) and return True; else False."""
@@ -528,7 +558,7 @@ class ModelRunner:
         self._make_step()
         return True
 
-    def _kernel_fails(self, program: tuple[int, int, int, int]) -> str | None:
+    def _kernel_fails(self, program: Program) -> str | None:
         """Why the attention function alone fails to lower or compile at `program`'s shapes
         (all heads, one device), or None."""
         mc, md = self.model_config, self._dummy_inputs(program).attn

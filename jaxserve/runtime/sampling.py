@@ -166,6 +166,20 @@ def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int,
                          top_ids[:, None], top_lp[:, None])
 
 
+def sample_plain(logits: jax.Array, si: SamplingInputs, max_logprobs: int) -> SamplerOutput:
+    """sample() for rows that are greedy or draw from the temperature alone (no top-k, top-p,
+    min_p or logprobs), with no runtime branch: the draw is made for every row. Its tokens
+    are sample()'s for such rows."""
+    s = logits.shape[0]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(si), _scaled(logits, si))
+    tokens = jnp.where(si.temperature > 0, drawn.astype(jnp.int32), greedy)
+    return SamplerOutput(tokens[:, None], si.samples.astype(jnp.int32),
+                         jnp.zeros((s, 1), jnp.float32),
+                         jnp.zeros((s, 1, max_logprobs), jnp.int32),
+                         jnp.zeros((s, 1, max_logprobs), jnp.float32))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PromptLogprobs:
@@ -194,9 +208,12 @@ def prompt_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array,
         top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
         return PromptLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_lp)
 
-    def skip():
-        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32),
-                              jnp.zeros((t, max_logprobs), jnp.int32),
-                              jnp.zeros((t, max_logprobs), jnp.float32))
+    return jax.lax.cond(jnp.any(targets >= 0), compute,
+                        lambda: no_prompt_logprobs(t, max_logprobs))
 
-    return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
+
+def no_prompt_logprobs(t: int, max_logprobs: int) -> PromptLogprobs:
+    """What a step of `t` query rows that no request asked prompt logprobs of returns."""
+    return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32),
+                          jnp.zeros((t, max_logprobs), jnp.int32),
+                          jnp.zeros((t, max_logprobs), jnp.float32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -17,6 +18,17 @@ from jaxserve.runtime.block_tables import BlockTableRows
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
 from jaxserve.runtime.speculative import SpecInputs
+
+
+class Program(NamedTuple):
+    """What a step program is compiled for: its bucket, K (proposal slots per row: 0 in a step
+    that verifies nothing) and `plain` (StepInputs.plain)."""
+
+    tokens: int
+    seqs: int
+    blocks: int
+    spec_k: int = 0
+    plain: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -33,6 +45,10 @@ class StepInputs:
     sampling: SamplingInputs
     processing: LogitsInputs  # per-request logit processing (runtime/logits_processing.py)
     spec: SpecInputs  # proposed tokens to verify (runtime/speculative.py); K = 0 without
+    # Static: every row is greedy or samples from the temperature alone, and nothing else is
+    # asked (logprobs, logit processing, min_p, prompt logprobs, proposals): its program has no
+    # runtime branches, each of which on a GPU waits for the device (plain_sampling).
+    plain: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def bucket(self) -> tuple[int, int, int]:
@@ -40,10 +56,9 @@ class StepInputs:
                 self.attn.block_tables.shape[1])
 
     @property
-    def program(self) -> tuple[int, int, int, int]:
-        """The compiled program that runs it: its bucket and K, the proposal slots per row
-        (0 in a step that verifies nothing, so such steps run the plain program)."""
-        return (*self.bucket, self.spec.draft_tokens.shape[1])
+    def program(self) -> Program:
+        """The compiled program that runs it."""
+        return Program(*self.bucket, self.spec.draft_tokens.shape[1], self.plain)
 
 
 def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int) -> int:
@@ -62,11 +77,13 @@ def build_step_inputs(
     prev_rows: Mapping[str, int] | None = None,
     spec_k: int = 0,
     tables: BlockTableRows | None = None,
+    plain_programs: bool = False,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
     row may propose (speculative decoding); a step without proposals gets K = 0. `tables`:
-    the block tables kept from earlier steps (else each is copied whole)."""
+    the block tables kept from earlier steps (else each is copied whole). `plain_programs`:
+    the runner has plain programs (a step that qualifies gets `plain`)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
@@ -153,6 +170,10 @@ def build_step_inputs(
     want_logprobs = any(s.samples and s.seq.params.logprobs is not None for s in scheduled)
     processed = [(i, s.seq) for i, s in enumerate(scheduled)
                  if s.samples and s.seq.logits_state is not None]
+    processing = logits_processing.build(processed, logits_shape, s_pad)
+    plain = (plain_programs and spec_k == 0 and not want_logprobs and not processing.active
+             and not processing.min_p.any() and not (prompt_targets >= 0).any()
+             and not any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params))
 
     return StepInputs(
         input_ids=input_ids,
@@ -165,8 +186,9 @@ def build_step_inputs(
         sampling=SamplingInputs(temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
                                 steps=steps, samples=samples,
                                 want_logprobs=np.bool_(want_logprobs)),
-        processing=logits_processing.build(processed, logits_shape, s_pad),
+        processing=processing,
         spec=spec,
+        plain=plain,
     )
 
 
@@ -187,8 +209,9 @@ def _all_allowed(s: int, k: int, mask_words: int) -> np.ndarray:
 
 
 def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
-                      logits_shape: LogitsShape, spec_k: int = 0) -> StepInputs:
-    """Shape-only stand-in for compiling a bucket at warmup (all rows are padding)."""
+                      logits_shape: LogitsShape, spec_k: int = 0,
+                      plain: bool = False) -> StepInputs:
+    """Shape-only stand-in for compiling a program at warmup (all rows are padding)."""
     i32 = lambda n: np.zeros(n, np.int32)
     return StepInputs(
         input_ids=i32(t),
@@ -205,4 +228,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                                 samples=np.zeros(s, bool), want_logprobs=np.bool_(False)),
         processing=logits_shape.unused(s),
         spec=empty_spec_inputs(s, spec_k, logits_shape.mask_words),
+        plain=plain,
     )

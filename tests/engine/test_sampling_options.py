@@ -92,6 +92,10 @@ def test_logit_bias_allowed_and_bad_tokens_and_min_tokens(tiny_models):
     assert len(bounded.token_ids) == 6 and bounded.token_ids[5] == 2
     assert bounded.finish_reason == "stop"
     assert len(sampled.token_ids) == NEW
+    # min_p alone: at 1.0 only the most likely token stays, so sampling is greedy
+    [top_only] = _run(engine, [prompt], [SamplingParams(temperature=1.5, seed=4, max_tokens=NEW,
+                                                        ignore_eos=True, min_p=1.0)])
+    assert top_only.token_ids == base.token_ids
     assert engine.runner.num_compiles == len(engine.runner.all_programs())  # no new program
 
 

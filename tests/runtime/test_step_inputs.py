@@ -8,6 +8,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import Sequence
+from jaxserve.engine.logits_state import LogitsState
 from jaxserve.runtime.logits_processing import LogitsShape
 from jaxserve.runtime.step_inputs import (
     build_step_inputs,
@@ -87,3 +88,26 @@ def test_a_step_beyond_the_largest_bucket_is_refused():
 
 def test_dummy_inputs_have_the_bucket_shape():
     assert dummy_step_inputs(16, 4, 2, BLOCK, POOL, SHAPE).bucket == (16, 4, 2)
+
+
+@pytest.mark.parametrize("params, plain", [
+    (dict(temperature=0), True),
+    (dict(temperature=0.7, seed=3), True),
+    (dict(temperature=0.7, top_p=0.9), False),
+    (dict(temperature=0.7, top_k=5), False),
+    (dict(temperature=0, top_k=5), True),  # a greedy row's top-k changes nothing
+    (dict(temperature=0.7, min_p=0.1), False),
+    (dict(temperature=0, logprobs=2), False),
+    (dict(temperature=0, presence_penalty=0.5), False),
+])
+def test_plain_steps_are_those_without_branches_to_take(params, plain):
+    """A decode step beside a greedy one is plain exactly when its row asks nothing the plain
+    program leaves out; a runner without plain programs never gets one."""
+    a = seq("a", [1, 2, 3], out=[4], blocks=[0], computed=3, temperature=0)
+    b = seq("b", [5, 6, 7], out=[8], blocks=[1], computed=3, **params)
+    if b.params.processes_logits:  # as the engine builds it for such a request
+        b.logits_state = LogitsState(b.params, b.prompt_token_ids, SHAPE.vocab_size, (), [])
+    sched = [ScheduledSeq.of(a, 1), ScheduledSeq.of(b, 1)]
+    inp = build_step_inputs(sched, BUCKETS, BLOCK, POOL, SHAPE, plain_programs=True)
+    assert inp.plain is plain and inp.program.plain is plain
+    assert not build_step_inputs(sched, BUCKETS, BLOCK, POOL, SHAPE).plain
