@@ -40,11 +40,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxserve.config import LayerLoop  # noqa: E402
 from jaxserve.kernels.attention import registry, selftest  # noqa: E402
 from jaxserve.kernels.attention.base import AttentionBackend  # noqa: E402
 
 say = functools.partial(print, flush=True)
 PEAK_HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e11}
+SECTIONS = ("selftest", "correctness", "kernels", "engine")
 BACKENDS = [b for b in AttentionBackend if b is not AttentionBackend.AUTO]
 DTYPES = ("float32", "bfloat16", "float16")
 # SmolLM2-135M (the default model): a Llama of 30 layers, 9 query / 3 kv heads of 64.
@@ -316,12 +318,34 @@ def hf_peer(model_dir: str, model_path: str | None, prompts, new_tokens: int, dt
             "step_s": wall / new_tokens}
 
 
-def check_engine(dry_run: bool, model_path: str | None) -> list[dict]:
+def profile_step(runner, b: int, ctx: int, log_dir: str, steps: int = 5) -> dict:
+    """The decode step program under the XLA profiler: device time per kernel, per call."""
+    from jaxserve.bench import kernel_times
+
+    inp = decode_inputs(runner, b, ctx)
+    runner.execute(inp)
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for _ in range(steps):
+            out = runner.dispatch(inp)
+        runner.fetch(out, False)
+    path = kernel_times.perfetto_file(log_dir)
+    if path is None:
+        return {"error": f"no perfetto trace under {log_dir}"}
+    table = kernel_times.kernel_table(path, steps)
+    for line in kernel_times.describe(table):
+        say(f"    {line}")
+    return table | {"trace": path}
+
+
+def check_engine(dry_run: bool, model_path: str | None, batches: tuple[int, ...],
+                 profile_dir: str | None, peer: bool = True, **options) -> list[dict]:
+    """`options`: EngineConfig fields to set (layer_loop, attention_backend)."""
     import torch
 
     from jaxserve import LLM
+    from jaxserve.bench.op_count import count_ops, describe
 
-    batches, prompt_len, new_tokens = ((1, 4), 8, 4) if dry_run else ((1, 32, 256), 64, 64)
+    batches, prompt_len, new_tokens = (((1, 4), 8, 4) if dry_run else (batches, 64, 64))
     dtype = "float32" if dry_run else "bfloat16"
     most = max(batches)
     with tempfile.TemporaryDirectory() as tmp:
@@ -335,7 +359,7 @@ def check_engine(dry_run: bool, model_path: str | None) -> list[dict]:
         tokens = (1, 4, 16) if dry_run else (1, 32, 256, 1024)
         llm = LLM(model_dir, dtype=dtype, max_num_seqs=most, max_num_batched_tokens=tokens[-1],
                   max_model_len=max_len, token_buckets=tokens, block_buckets=(blocks,),
-                  num_kv_blocks=most * blocks + 8, enable_step_trace=True)
+                  num_kv_blocks=most * blocks + 8, enable_step_trace=True, **options)
         runner = llm.engine.runner
         say(f"  attention: {runner.attention_backend}")
         if runner.attention.selftest is not None:
@@ -352,11 +376,17 @@ def check_engine(dry_run: bool, model_path: str | None) -> list[dict]:
             try:
                 row["step_program_s"] = time_step_program(runner, b, max_len - 8,
                                                           5 if dry_run else 20)
+                inp = decode_inputs(runner, b, max_len - 8)
+                row["ops"] = count_ops(runner._executables[inp.program].as_text())
+                say(f"  {b} seqs, decode step program: {describe(row['ops'])}")
+                if profile_dir and b == most:
+                    row["profile"] = profile_step(runner, b, max_len - 8, profile_dir)
                 time_generate(llm, prompts, new_tokens)  # warm: every program it takes
                 row["generate"] = time_generate(llm, prompts, new_tokens)
                 row["host_share_s"] = row["generate"]["decode_step_s"] - row["step_program_s"]
-                row["hf"] = hf_peer(model_dir, model_path, prompts, new_tokens,
-                                    getattr(torch, dtype))
+                if peer:
+                    row["hf"] = hf_peer(model_dir, model_path, prompts, new_tokens,
+                                        getattr(torch, dtype))
             except Exception as e:  # noqa: BLE001 - the other batch sizes still run
                 row["error"] = short(e)
                 traceback.print_exc(file=sys.stdout)
@@ -369,11 +399,13 @@ def engine_line(row: dict) -> str:
     head = f"{row['sequences']:>4} seqs {row['dtype']} [{row['backend']}]:"
     if "error" in row:
         return f"{head} error {row['error']}"
-    g, hf = row["generate"], row["hf"]
-    return (f"{head} step program {row['step_program_s'] * 1e3:7.2f} ms; in LLM.generate "
+    g, hf = row["generate"], row.get("hf")
+    line = (f"{head} step program {row['step_program_s'] * 1e3:7.2f} ms; in LLM.generate "
             f"{g['decode_step_s'] * 1e3:7.2f} ms (host share {row['host_share_s'] * 1e3:+.2f} "
-            f"ms), {g['tok_per_s']:9.1f} tok/s; HF generate {hf['step_s'] * 1e3:7.2f} ms/step, "
-            f"{hf['tok_per_s']:9.1f} tok/s ({g['tok_per_s'] / hf['tok_per_s']:.2f}x)")
+            f"ms), {g['tok_per_s']:9.1f} tok/s")
+    return line if hf is None else (
+        f"{line}; HF generate {hf['step_s'] * 1e3:7.2f} ms/step, {hf['tok_per_s']:9.1f} tok/s "
+        f"({g['tok_per_s'] / hf['tok_per_s']:.2f}x)")
 
 
 # ------------------------------------------------------------------------------------- main
@@ -406,7 +438,7 @@ def run_section(report: dict, name: str, fn, path: str) -> None:
 def failed(report: dict) -> list[str]:
     """What went wrong: failed sections, and rows with an error or a wrong result."""
     out = []
-    for name in ("selftest", "correctness", "kernels", "engine"):
+    for name in SECTIONS:
         part = report.get(name)
         if isinstance(part, dict):
             out.append(f"{name}: {part['error']}")
@@ -427,7 +459,21 @@ def main() -> int:
                          "random weights of SmolLM2-135M's shapes")
     ap.add_argument("--json", default="gpu_check.json", help="report file, rewritten after "
                                                               "every section")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
+                    help="run only these sections")
+    ap.add_argument("--sequences", nargs="+", type=int, default=(1, 32, 256),
+                    help="the engine section's batch sizes")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="trace the engine's decode step at the largest batch with the XLA "
+                         "profiler into DIR, and print device time per kernel")
+    ap.add_argument("--no-hf", action="store_true", help="the engine section without HF's peer")
+    ap.add_argument("--layer-loop", choices=[m.value for m in LayerLoop], default=None,
+                    help="the engine's layer loop (default: the engine's default)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="the engine's attention backend (default: auto)")
     args = ap.parse_args()
+    options = {k: v for k, v in (("layer_loop", args.layer_loop),
+                                 ("attention_backend", args.attention_backend)) if v}
     t0 = time.perf_counter()
     dev = jax.devices()[0]
     say(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -443,11 +489,15 @@ def main() -> int:
     report = {"device": dev.device_kind, "jax": jax.__version__,
               "compute_capability": getattr(dev, "compute_capability", None),
               "backends_missing": missing, "seconds": {}}
-    run_section(report, "selftest", lambda: check_selftest(args.dry_run, heads), args.json)
-    run_section(report, "correctness", lambda: check_correctness(fns, missing, args.dry_run),
-                args.json)
-    run_section(report, "kernels", lambda: time_kernels(fns, missing, args.dry_run), args.json)
-    run_section(report, "engine", lambda: check_engine(args.dry_run, args.model), args.json)
+    sections = {
+        "selftest": lambda: check_selftest(args.dry_run, heads),
+        "correctness": lambda: check_correctness(fns, missing, args.dry_run),
+        "kernels": lambda: time_kernels(fns, missing, args.dry_run),
+        "engine": lambda: check_engine(args.dry_run, args.model, tuple(args.sequences),
+                                       args.profile, not args.no_hf, **options),
+    }
+    for name in args.sections:
+        run_section(report, name, sections[name], args.json)
     report["failures"] = failed(report)
     report["total_s"] = time.perf_counter() - t0
     write(report, args.json)

@@ -43,3 +43,4 @@ def test_gpu_check_dry_run(tmp_path):
     for r in engine:
         assert r["step_program_s"] > 0 and r["generate"]["decode_step_s"] > 0
         assert r["generate"]["tok_per_s"] > 0 and r["hf"]["tok_per_s"] > 0
+        assert r["ops"]["launches"] >= r["ops"]["fusions"] > 0
