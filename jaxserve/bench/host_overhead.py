@@ -43,6 +43,8 @@ class ZeroCostRunner:
         self.num_host_blocks = 0
         self.logits_shape = LogitsShape(vocab_size, config.max_model_len)
         self.num_compiles = 0
+        # as on an accelerator, whose host loop this stands for
+        self.plain_programs = config.plain_programs is not False
         self.vocab_size = vocab_size
         self.device_s = device_s
         self._device_free = 0.0  # when the last launched step ends

@@ -9,6 +9,7 @@ launched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -79,7 +80,7 @@ class _Launched:
 
     sched: SchedulerOutput
     inputs: StepInputs
-    output: StepResult  # device arrays
+    output: StepResult | concurrent.futures.Future  # device arrays (a Future: being launched)
     rows: dict[str, int]  # request id -> its row, for the rows that sample
     prompt_rows: list[PromptRows]  # the query rows whose prompt logprobs it computes
     t0: float  # when its scheduling began
@@ -161,6 +162,13 @@ class LLMEngine:
             # only run every other step; speculation keeps the steps synchronous instead
             logger.info("speculative decoding: asynchronous scheduling is off")
             self.async_scheduling = False
+        # Launching a step holds the calling thread while the runtime issues its kernels: under
+        # asynchronous scheduling a thread of its own does it, beside this one's postprocessing
+        # of the step before (one process only: several launch in lockstep).
+        self._launcher = (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="jaxserve-launch")
+            if self.async_scheduling and getattr(self.runner, "broadcast", None) is None
+            else None)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -418,6 +426,10 @@ class LLMEngine:
 
     def _launch(self) -> _Launched | None:
         t0 = time.perf_counter()
+        if self._in_flight is not None and isinstance(self._in_flight.output,
+                                                      concurrent.futures.Future):
+            # the runner (its pools, the last tokens) is this thread's again
+            concurrent.futures.wait([self._in_flight.output])
         with jax.profiler.TraceAnnotation("jaxserve.schedule"):
             sched = self.scheduler.schedule()
             for c in sched.copies:  # in order: a copy may read what a later one overwrites
@@ -438,7 +450,8 @@ class LLMEngine:
                 return None  # nothing was computed: the others are scheduled again next step
         with jax.profiler.TraceAnnotation("jaxserve.launch"):
             try:
-                out = self.runner.dispatch(inp)
+                out = (self.runner.dispatch(inp) if self._launcher is None
+                       else self._launcher.submit(self.runner.dispatch, inp))
             except RecompileError:  # strict_compile: a configuration error, the caller's to see
                 raise
             except Exception as e:  # noqa: BLE001 - the device step failed for all of its rows
@@ -473,7 +486,12 @@ class LLMEngine:
         want_lp = bool(step.inputs.sampling.want_logprobs)
         with jax.profiler.TraceAnnotation("jaxserve.wait_tokens"):
             try:
-                result = self.runner.fetch(step.output, want_lp, bool(step.prompt_rows))
+                output = step.output
+                if isinstance(output, concurrent.futures.Future):
+                    output = output.result()  # its launch's error, if any, is raised here
+                result = self.runner.fetch(output, want_lp, bool(step.prompt_rows))
+            except RecompileError:  # strict_compile: a configuration error, the caller's to see
+                raise
             except Exception as e:  # noqa: BLE001 - the device step failed for all of its rows
                 self._fail_seqs(step.sched.scheduled, e)
                 return []

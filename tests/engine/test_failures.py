@@ -92,3 +92,30 @@ def test_max_tokens_none_runs_to_the_context_end(tiny_llama_dir):
                        params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     out = run_all(engine)["x"].outputs[0]
     assert len(out.token_ids) == 60 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_whose_launch_fails_fails_its_rows_only(tiny_llama_dir, async_scheduling):
+    """A launch that raises (as a device error would; under asynchronous scheduling it is
+    raised on the launch thread and seen when the step completes) fails the requests in that
+    step; their blocks come back and the engine serves the next ones."""
+    want = _reference(tiny_llama_dir, async_scheduling=async_scheduling)
+    engine = make_engine(tiny_llama_dir, async_scheduling=async_scheduling)
+    real, calls = engine.runner.dispatch, []
+
+    def dispatch(inp):
+        calls.append(inp)
+        if len(calls) == 3:
+            raise RuntimeError("the device step failed")
+        return real(inp)
+
+    engine.runner.dispatch = dispatch
+    for rid, ids in PROMPTS.items():
+        engine.add_request(rid, prompt_token_ids=ids, params=_params())
+    done = run_all(engine)
+    assert {o.outputs[0].finish_reason for o in done.values()} == {"error"}
+    assert all("the device step failed" in o.metrics.error for o in done.values())
+    assert engine.block_manager.num_used_blocks == 0
+    engine.add_request("after", prompt_token_ids=PROMPTS["r2"], params=_params())
+    assert run_all(engine)["after"].outputs[0].token_ids == want["r2"]
+    assert engine.block_manager.num_used_blocks == 0
