@@ -189,9 +189,10 @@ def time_kernels(fns: dict, missing: dict, dry_run: bool) -> list[dict]:
 # ----------------------------------------------------------------------------------- engine
 
 
-def make_model(directory: str, dry_run: bool) -> str:
+def make_model(directory: str, dry_run: bool, tokenizer: str | None = None) -> str:
     """A random-weight Llama of SmolLM2-135M's shapes (tiny ones in a dry run), in bfloat16,
-    made on this machine's accelerator, with a tokenizer; returns its directory."""
+    made on this machine's accelerator, with a tokenizer (`tokenizer`: a directory holding
+    one, e.g. the default model's saved where it is installed); returns its directory."""
     import torch
     import transformers as tf
 
@@ -200,7 +201,18 @@ def make_model(directory: str, dry_run: bool) -> str:
     with torch.device(device):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**(TINY if dry_run else SMOLLM2)))
     model.to(torch.bfloat16).save_pretrained(directory)
-    make_tokenizer(model.config.vocab_size, dry_run).save_pretrained(directory)
+    tok = None
+    if tokenizer is not None:
+        try:
+            tok = tf.AutoTokenizer.from_pretrained(tokenizer)
+            if len(tok) > model.config.vocab_size:
+                raise ValueError(f"{len(tok)} tokens, more than the model's "
+                                 f"{model.config.vocab_size}")
+        except (OSError, ValueError) as e:
+            say(f"  (--tokenizer {tokenizer}: {short(e)}; the default instead)")
+            tok = None
+    tok = tok or make_tokenizer(model.config.vocab_size, dry_run)
+    tok.save_pretrained(directory)
     return directory
 
 
@@ -225,8 +237,10 @@ def make_tokenizer(vocab_size: int, dry_run: bool):
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # no space clean-up: the engine then decodes through the Rust tokenizer, as it does the
+    # default model's (engine/detokenizer.py)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+                                   eos_token="</s>", clean_up_tokenization_spaces=False)
 
 
 def decode_inputs(runner, b: int, ctx: int):
@@ -258,7 +272,8 @@ def decode_inputs(runner, b: int, ctx: int):
                                 np.zeros(s, np.int32), np.zeros(s, np.uint32),
                                 np.zeros(s, np.int32), np.arange(s) < b, np.bool_(False)),
         processing=runner.logits_shape.unused(s),
-        spec=empty_spec_inputs(s, runner.config.spec_tokens, runner.logits_shape.mask_words))
+        spec=empty_spec_inputs(s, runner.config.spec_tokens, runner.logits_shape.mask_words),
+        plain=runner.plain_programs)  # greedy rows: the program the engine runs for them
 
 
 def time_step_program(runner, b: int, ctx: int, steps: int) -> float:
@@ -338,7 +353,8 @@ def profile_step(runner, b: int, ctx: int, log_dir: str, steps: int = 5) -> dict
 
 
 def check_engine(dry_run: bool, model_path: str | None, batches: tuple[int, ...],
-                 profile_dir: str | None, peer: bool = True, **options) -> list[dict]:
+                 profile_dir: str | None, peer: bool = True, tokenizer: str | None = None,
+                 **options) -> list[dict]:
     """`options`: EngineConfig fields to set (layer_loop, attention_backend)."""
     import torch
 
@@ -350,7 +366,7 @@ def check_engine(dry_run: bool, model_path: str | None, batches: tuple[int, ...]
     most = max(batches)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        model_dir = model_path or make_model(tmp, dry_run)
+        model_dir = model_path or make_model(tmp, dry_run, tokenizer)
         shapes = "tiny" if dry_run else "SmolLM2-135M's"
         say(f"  model: {model_path or f'random weights of {shapes} shapes'} "
             f"({time.perf_counter() - t0:.1f}s to make)")
@@ -467,6 +483,9 @@ def main() -> int:
                     help="trace the engine's decode step at the largest batch with the XLA "
                          "profiler into DIR, and print device time per kernel")
     ap.add_argument("--no-hf", action="store_true", help="the engine section without HF's peer")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="the random model's tokenizer (default: the default model's where it "
+                         "is installed, else a word-level one)")
     ap.add_argument("--layer-loop", choices=[m.value for m in LayerLoop], default=None,
                     help="the engine's layer loop (default: the engine's default)")
     ap.add_argument("--attention-backend", default=None,
@@ -494,7 +513,8 @@ def main() -> int:
         "correctness": lambda: check_correctness(fns, missing, args.dry_run),
         "kernels": lambda: time_kernels(fns, missing, args.dry_run),
         "engine": lambda: check_engine(args.dry_run, args.model, tuple(args.sequences),
-                                       args.profile, not args.no_hf, **options),
+                                       args.profile, not args.no_hf, args.tokenizer,
+                                       **options),
     }
     for name in args.sections:
         run_section(report, name, sections[name], args.json)
