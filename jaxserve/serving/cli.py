@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("process 0 stopped; exiting")
         distributed.leave(dist)
         return 0
+    # The model, tokenizer and programs live as long as the process: the collector's full
+    # passes, which stall a step, need not walk them again.
+    gc.collect()
+    gc.freeze()
     hooks = ()
     profiler = None
     if args.profile_dir:
