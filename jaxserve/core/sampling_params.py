@@ -92,6 +92,11 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    def stop_ids(self, eos_token_ids) -> list[int]:
+        """The token ids that end the request: its stop_token_ids, and EOS unless ignore_eos."""
+        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos
+                                                  else set(eos_token_ids)))
+
     @property
     def needs_history(self) -> bool:
         """Does picking the next token depend on the tokens generated so far (so the host
