@@ -10,12 +10,12 @@ inputs (`multihost_utils.broadcast_one_to_all`, itself a collective over the sam
 and the followers run the same compiled step on their shards. Nothing a follower does depends
 on timing, arrivals or the host's clock, so the processes cannot drift apart.
 
-Each broadcast is a fixed header (the op and the step's program: its bucket and proposal
-slots), then, for a step, the StepInputs, whose shapes the program fixes. While the leader has
-no work it broadcasts a no-op every second, so a follower waiting for the next step notices a
-leader that died, and the leader notices a follower that died. Either way the collective fails
-at once (gloo sees the peer's sockets close) and the survivor exits with a message that says so
-(`fatal`), instead of waiting on a peer that will never answer.
+Each broadcast is a fixed header (the op and the step's program: its bucket, proposal slots
+and decode steps), then, for a step, the StepInputs, whose shapes the program fixes. While the
+leader has no work it broadcasts a no-op every second, so a follower waiting for the next step
+notices a leader that died, and the leader notices a follower that died. Either way the
+collective fails at once (gloo sees the peer's sockets close) and the survivor exits with a
+message that says so (`fatal`), instead of waiting on a peer that will never answer.
 
 Not available across processes: the host pool (swap preemption and the prefix cache's host
 tier need the whole pool readable from one process) and data-parallel replicas.
@@ -145,7 +145,7 @@ class StepBroadcast:
         self._dummy = dummy_inputs
         self._last = time.monotonic()
 
-    def _send_header(self, op: int, program=(0, 0, 0, 0), processed: bool = False) -> None:
+    def _send_header(self, op: int, program=(0, 0, 0, 0, 1), processed: bool = False) -> None:
         self._broadcast(np.asarray([op, *program, processed], np.int32))
         self._last = time.monotonic()
 
@@ -165,10 +165,10 @@ class StepBroadcast:
 
     def receive(self):
         """-> (op, StepInputs or None): what the leader sent next (a follower blocks here)."""
-        op, t, s, b, k, processed = self._broadcast(np.zeros(6, np.int32)).tolist()
+        op, *program, processed = self._broadcast(np.zeros(7, np.int32)).tolist()
         if op != STEP:
             return op, None
-        template = self._dummy((t, s, b, k))
+        template = self._dummy(tuple(program))
         if processed:
             return op, self._broadcast(template)
         got = self._broadcast(dataclasses.replace(template, processing=None))

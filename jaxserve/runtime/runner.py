@@ -4,8 +4,10 @@
 pools donated (the target's, and a draft model's under speculative decoding), so XLA updates the
 pages in place. One executable exists per (tokens, sequences, blocks-per-sequence) bucket and,
 under speculative decoding, per K in {0, num_speculative_tokens} (the proposal slots per row);
-`warmup()` compiles them all ahead of time, and `num_compiles` counts every compile so a
-test can prove nothing compiles after warmup (`strict_compile` turns that into an error).
+the buckets of steps where every sequence decodes have one more, that runs several decode steps
+per call (runtime/decode_loop.py). `warmup()` compiles them all ahead of time, and
+`num_compiles` counts every compile so a test can prove nothing compiles after warmup
+(`strict_compile` turns that into an error).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from jaxserve.models.llama import (
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runtime import (
     compile_cache,
+    decode_loop,
     distributed,
     executable_cache,
     logits_processing,
@@ -50,7 +53,7 @@ from jaxserve.runtime import (
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
 from jaxserve.runtime.sampling import PromptLogprobs, SamplerOutput, prompt_logprobs, sample
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
-from jaxserve.runtime.step_inputs import StepInputs, dummy_step_inputs, seq_bucket
+from jaxserve.runtime.step_inputs import Program, StepInputs, dummy_step_inputs, seq_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class RecompileError(RuntimeError):
 class _ProgramError(Exception):
     """A step program failed to lower or compile at warmup (which one, and the error)."""
 
-    def __init__(self, program: tuple[int, int, int, int], error: Exception):
+    def __init__(self, program: Program, error: Exception):
         super().__init__(program, error)
         self.program, self.error = program, error
 
@@ -86,7 +89,8 @@ def auto_kv_dtype(dtype, backend: AttentionBackend):
 
 @dataclasses.dataclass(slots=True)
 class StepOutput:
-    """One step's sampled tokens on the host: up to K per sequence row (K = 1 today)."""
+    """One step's sampled tokens on the host: up to K per sequence row (K > 1: accepted
+    proposals, or several decode steps)."""
 
     token_ids: np.ndarray  # (S, K) int32
     num_tokens: np.ndarray  # (S,) int32: real tokens of each row (0: nothing sampled)
@@ -276,7 +280,7 @@ class ModelRunner:
         # executable loaded from JAX's cache cannot be; runtime/executable_cache.py).
         step.__name__ = step.__qualname__ = f"step_{executable_cache.source_digest()[:16]}"
         self._jitted = jax.jit(step, donate_argnums=(1,), **self._jit_kw)
-        self._executables: dict[tuple[int, int, int, int], jax.stages.Compiled] = {}
+        self._executables: dict[Program, jax.stages.Compiled] = {}
         self.executable_cache = executable_cache.ExecutableCache.create(
             self.compilation_cache_dir, "\n".join([
                 repr(self.config), repr(self.model_config), repr(self.draft_config),
@@ -334,6 +338,13 @@ class ModelRunner:
         (params, *draft_params), kv = params, pools[0]
         ids = jnp.where(inp.prev_rows >= 0, last_tokens[jnp.maximum(inp.prev_rows, 0)],
                         inp.input_ids)
+        if inp.decode is not None:  # several decode steps (runtime/decode_loop.py)
+            kv, out = decode_loop.run(
+                functools.partial(self._decode_step, params, inp.logits_indices, max_logprobs),
+                kv, ids, inp.attn, inp.sampling, inp.processing, inp.logits_indices, inp.decode,
+                max_logprobs, self.logits_shape.vocab_size)
+            return self._result((kv, *pools[1:]), out,
+                                PromptLogprobs.empty(ids.shape[0], max_logprobs), last_tokens)
         if len(pools) > 1:  # a draft model proposes the speculating rows' tokens
             with jax.named_scope("draft"):
                 run_draft = functools.partial(self._run_draft, draft_params[0])
@@ -360,24 +371,45 @@ class ModelRunner:
             logits = lm_logits(self.model_config, x, params, self.block_matmul)
             return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
 
-        def sample_rows(logits):  # (S, V) -> the plain sampler's output
-            return sample(logits_processing.apply(logits, inp.processing), inp.sampling,
-                          max_logprobs, inp.processing.min_p, raw_logits=logits)
-
         with jax.named_scope("sample"):
             if not spec_k:
-                out = sample_rows(logits if self.mesh is None
-                                  else sharding.gather_once(logits, self.mesh))
+                out = self._sample_rows(logits if self.mesh is None
+                                        else sharding.gather_once(logits, self.mesh),
+                                        inp.sampling, inp.processing, max_logprobs)
             else:
                 out = self._sample_or_verify(hidden, head_logits, inp,
                                              max_logprobs)
         with jax.named_scope("prompt_logprobs"):
             prompt = prompt_logprobs(head_logits, hidden, inp.prompt_targets, max_logprobs)
-        # each row's last token (a later step's input under asynchronous scheduling)
+        return self._result(pools, out, prompt, last_tokens)
+
+    @staticmethod
+    def _result(pools: tuple[KVCache, ...], out: SamplerOutput, prompt: PromptLogprobs,
+                last_tokens: jax.Array):
+        """The step's outputs, with each row's last token (a later step's input under
+        asynchronous scheduling) padded to last_tokens' shape."""
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.num_tokens - 1, 0)[:, None],
                                    axis=1)[:, 0]
         next_tokens = jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
         return pools, StepResult(out, prompt), next_tokens
+
+    @staticmethod
+    def _sample_rows(logits: jax.Array, si, li, max_logprobs: int) -> SamplerOutput:
+        """(S, V) -> the plain sampler's output, after the rows' logit processing."""
+        return sample(logits_processing.apply(logits, li), si, max_logprobs, li.min_p,
+                      raw_logits=logits)
+
+    def _decode_step(self, params, logits_indices: jax.Array, max_logprobs: int, kv: KVCache,
+                     ids: jax.Array, md, si, li) -> tuple[KVCache, SamplerOutput]:
+        """One decode step of the loop (runtime/decode_loop.py's StepFn): the forward, then
+        the sampler, as a plain step runs them."""
+        with jax.named_scope("forward"):
+            k, v, logits, _ = self.model.apply({"params": params}, ids, kv.k, kv.v, md,
+                                               logits_indices)
+        with jax.named_scope("sample"):
+            return KVCache(k, v), self._sample_rows(
+                logits if self.mesh is None else sharding.gather_once(logits, self.mesh), si,
+                li, max_logprobs)
 
     def _run_draft(self, params, kv: KVCache, ids: jax.Array, md, want_logits: bool):
         """The draft model over rows `ids` (runtime/speculative.py's DraftFn)."""
@@ -410,10 +442,17 @@ class ModelRunner:
         tok, seq, blk = self.buckets
         return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
 
-    def all_programs(self) -> list[tuple[int, int, int, int]]:
-        """(bucket, K): every bucket without proposals and, under speculation, with K."""
+    def all_programs(self) -> list[Program]:
+        """(bucket, K, decode steps): every bucket without proposals and, under speculation,
+        with K; the buckets a step of decodes alone pads to (tokens <= max_num_seqs) also with
+        the decode loop's steps."""
         ks = sorted({0, self.config.spec_tokens})
-        return [(*b, k) for b in self.all_buckets() for k in ks]
+        programs = [(*b, k, 1) for b in self.all_buckets() for k in ks]
+        n = self.config.decode_loop_steps
+        if n > 1:
+            programs += [(*b, 0, n) for b in self.all_buckets()
+                         if b[0] <= self.config.max_num_seqs]
+        return programs
 
     def _unused_processing(self, s: int) -> logits_processing.LogitsInputs:
         """The neutral logit-processing inputs of sequence bucket `s`, kept on the device."""
@@ -421,19 +460,19 @@ class ModelRunner:
             self._unused[s] = jax.device_put(self.logits_shape.unused(s), self._replicated)
         return self._unused[s]
 
-    def _dummy_inputs(self, program: tuple[int, int, int, int]) -> StepInputs:
-        t, s, mb, k = program
+    def _dummy_inputs(self, program: Program) -> StepInputs:
+        t, s, mb, k, n = program
         return dummy_step_inputs(t, s, mb, self.block_size, self.num_blocks, self.logits_shape,
-                                 k)
+                                 k, n)
 
-    def _lower(self, program: tuple[int, int, int, int]) -> jax.stages.Lowered:
+    def _lower(self, program: Program) -> jax.stages.Lowered:
         return self._jitted.lower(self.step_params, self.pools, self._last_tokens,
                                   self._dummy_inputs(program))
 
-    def _compile(self, program: tuple[int, int, int, int]) -> jax.stages.Compiled:
+    def _compile(self, program: Program) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
             raise RecompileError(f"program {program} (tokens, sequences, blocks, proposal "
-                                 f"slots) was not compiled at warmup")
+                                 f"slots, decode steps) was not compiled at warmup")
         t0 = time.perf_counter()
         exe = self._cached(program)
         if exe is None:
@@ -447,10 +486,10 @@ class ModelRunner:
         self._executables[program] = exe
         return exe
 
-    def _cached(self, program: tuple[int, int, int, int]) -> jax.stages.Compiled | None:
+    def _cached(self, program: Program) -> jax.stages.Compiled | None:
         return None if self.executable_cache is None else self.executable_cache.load(program)
 
-    def _build(self, program: tuple[int, int, int, int],
+    def _build(self, program: Program,
                lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         self.num_compiles += 1
         if self.executable_cache is None:
@@ -509,7 +548,7 @@ class ModelRunner:
             for program, exe in zip(todo, pool.map(build, todo, lowered), strict=True):
                 self._executables[program] = exe
 
-    def _fall_back(self, program: tuple[int, int, int, int], error: Exception) -> bool:
+    def _fall_back(self, program: Program, error: Exception) -> bool:
         """`program` failed to build. If its attention kernel alone fails to build at its
         shapes and auto named a fallback not taken yet, switch to that backend (the programs
         built so far are dropped) and return True; else False."""
@@ -528,7 +567,7 @@ class ModelRunner:
         self._make_step()
         return True
 
-    def _kernel_fails(self, program: tuple[int, int, int, int]) -> str | None:
+    def _kernel_fails(self, program: Program) -> str | None:
         """Why the attention function alone fails to lower or compile at `program`'s shapes
         (all heads, one device), or None."""
         mc, md = self.model_config, self._dummy_inputs(program).attn

@@ -176,6 +176,13 @@ class PromptLogprobs:
     top_ids: jax.Array  # (T, max_logprobs) int32
     top_logprobs: jax.Array  # (T, max_logprobs) float32
 
+    @staticmethod
+    def empty(t: int, max_logprobs: int) -> PromptLogprobs:
+        """The zeros of a step whose rows have no prompt token to score."""
+        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32),
+                              jnp.zeros((t, max_logprobs), jnp.int32),
+                              jnp.zeros((t, max_logprobs), jnp.float32))
+
 
 def prompt_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array,
                     max_logprobs: int) -> PromptLogprobs:
@@ -194,9 +201,5 @@ def prompt_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array,
         top_lp, top_ids = jax.lax.top_k(logp, max_logprobs)
         return PromptLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_lp)
 
-    def skip():
-        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32),
-                              jnp.zeros((t, max_logprobs), jnp.int32),
-                              jnp.zeros((t, max_logprobs), jnp.float32))
-
-    return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
+    return jax.lax.cond(jnp.any(targets >= 0), compute,
+                        lambda: PromptLogprobs.empty(t, max_logprobs))

@@ -12,8 +12,9 @@ import numpy as np
 from jaxserve.core.scheduler import ScheduledSeq, pick_bucket, prompt_rows
 from jaxserve.core.sequence import PENDING
 from jaxserve.kernels.attention.metadata import AttentionMetadata
-from jaxserve.runtime import logits_processing
+from jaxserve.runtime import decode_loop, logits_processing
 from jaxserve.runtime.block_tables import BlockTableRows
+from jaxserve.runtime.decode_loop import DecodeLoopInputs
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
 from jaxserve.runtime.speculative import SpecInputs
@@ -33,6 +34,8 @@ class StepInputs:
     sampling: SamplingInputs
     processing: LogitsInputs  # per-request logit processing (runtime/logits_processing.py)
     spec: SpecInputs  # proposed tokens to verify (runtime/speculative.py); K = 0 without
+    # several decode steps in one call (runtime/decode_loop.py); None: one step
+    decode: DecodeLoopInputs | None = None
 
     @property
     def bucket(self) -> tuple[int, int, int]:
@@ -40,10 +43,16 @@ class StepInputs:
                 self.attn.block_tables.shape[1])
 
     @property
-    def program(self) -> tuple[int, int, int, int]:
-        """The compiled program that runs it: its bucket and K, the proposal slots per row
-        (0 in a step that verifies nothing, so such steps run the plain program)."""
-        return (*self.bucket, self.spec.draft_tokens.shape[1])
+    def program(self) -> Program:
+        """The compiled program that runs it: its bucket, K, the proposal slots per row (0 in
+        a step that verifies nothing, so such steps run the plain program), and the decode
+        steps it runs."""
+        return (*self.bucket, self.spec.draft_tokens.shape[1],
+                1 if self.decode is None else self.decode.num_steps)
+
+
+# A step program's key: (tokens, sequences, blocks per sequence, proposal slots, decode steps).
+Program = tuple[int, int, int, int, int]
 
 
 def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int) -> int:
@@ -62,11 +71,13 @@ def build_step_inputs(
     prev_rows: Mapping[str, int] | None = None,
     spec_k: int = 0,
     tables: BlockTableRows | None = None,
+    decode_steps: int = 1,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
     row may propose (speculative decoding); a step without proposals gets K = 0. `tables`:
-    the block tables kept from earlier steps (else each is copied whole)."""
+    the block tables kept from earlier steps (else each is copied whole). `decode_steps`: the
+    step's decode steps (SchedulerOutput.decode_steps)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
@@ -167,6 +178,8 @@ def build_step_inputs(
                                 want_logprobs=np.bool_(want_logprobs)),
         processing=logits_processing.build(processed, logits_shape, s_pad),
         spec=spec,
+        decode=(decode_loop.build(scheduled, s_pad, decode_steps) if decode_steps > 1
+                else None),
     )
 
 
@@ -187,7 +200,8 @@ def _all_allowed(s: int, k: int, mask_words: int) -> np.ndarray:
 
 
 def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
-                      logits_shape: LogitsShape, spec_k: int = 0) -> StepInputs:
+                      logits_shape: LogitsShape, spec_k: int = 0,
+                      decode_steps: int = 1) -> StepInputs:
     """Shape-only stand-in for compiling a bucket at warmup (all rows are padding)."""
     i32 = lambda n: np.zeros(n, np.int32)
     return StepInputs(
@@ -205,4 +219,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                                 samples=np.zeros(s, bool), want_logprobs=np.bool_(False)),
         processing=logits_shape.unused(s),
         spec=empty_spec_inputs(s, spec_k, logits_shape.mask_words),
+        decode=(decode_loop.build([], s, decode_steps) if decode_steps > 1 else None),
     )
