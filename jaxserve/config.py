@@ -42,6 +42,9 @@ def _midpoints(hi: int) -> tuple[int, ...]:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_NUM_SEQS = 64  # max_num_seqs's default on an accelerator
 CPU_MAX_NUM_SEQS = 16  # ... and on a CPU (see the field's help)
+DECODE_STEPS = 8  # decode_steps's default on an accelerator
+CPU_DECODE_STEPS = 1  # ... and on a CPU (see the field's help)
+MAX_DECODE_STEPS = 64
 SPECULATIVE_METHODS = (None, "ngram", "draft_model")
 
 
@@ -98,6 +101,12 @@ class EngineConfig:
            "devices, behind one front; a router sends each request to the replica holding "
            "its prompt's prefix, else to the least-loaded one")
     strict_compile: bool = option(False, "raise if any program compiles after warmup()")
+    decode_steps: int | None = option(
+        None, "most decode steps one call of the step program runs when every running "
+              "sequence decodes and none waits: the host schedules, builds and postprocesses "
+              "once per call, and streams up to that many tokens per sequence at a time "
+              "(default: 8 on an accelerator; 1, off, on a CPU, where the host's work per "
+              "step is small beside the model's); 1 under speculative decoding")
     async_scheduling: bool | None = option(
         None, "launch step N+1 before step N's tokens are read back, so the host's work "
               "hides under the device's step; same tokens either way (default: on with an "
@@ -198,6 +207,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): every running sequence needs a token slot")
+        if self.decode_steps is not None and (not isinstance(self.decode_steps, int) or not (
+                1 <= self.decode_steps <= MAX_DECODE_STEPS)):
+            raise ValueError(f"decode_steps must be an int in [1, {MAX_DECODE_STEPS}], "
+                             f"got {self.decode_steps!r}")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:
             raise ValueError(f"priority_aging_s must be positive, got {self.priority_aging_s}")
         if self.prefill_chunk_alignment < 1:
@@ -236,19 +249,31 @@ class EngineConfig:
     def on_platform(self, platform: str) -> EngineConfig:
         """This config with its per-platform defaults filled in (`platform`: a jax device's,
         e.g. "cpu", "gpu"); the engine runs on what this returns."""
-        if self.max_num_seqs is not None:
-            return self
-        default = CPU_MAX_NUM_SEQS if platform == "cpu" else MAX_NUM_SEQS
-        return dataclasses.replace(self, max_num_seqs=min(default, self.max_num_batched_tokens))
-
-    def _resolved(self) -> None:
+        cpu, fill = platform == "cpu", {}
         if self.max_num_seqs is None:
-            raise ValueError("max_num_seqs depends on the platform: take on_platform() first")
+            fill["max_num_seqs"] = min(CPU_MAX_NUM_SEQS if cpu else MAX_NUM_SEQS,
+                                       self.max_num_batched_tokens)
+        if self.decode_steps is None:
+            fill["decode_steps"] = CPU_DECODE_STEPS if cpu else DECODE_STEPS
+        if self.plain_programs is None:
+            fill["plain_programs"] = not cpu
+        return dataclasses.replace(self, **fill) if fill else self
+
+    def _resolved(self, name: str = "max_num_seqs") -> None:
+        if getattr(self, name) is None:
+            raise ValueError(f"{name} depends on the platform: take on_platform() first")
 
     @property
     def spec_tokens(self) -> int:
         """K: the proposed tokens a step's rows have room for (0 without speculation)."""
         return self.num_speculative_tokens if self.speculative_method else 0
+
+    @property
+    def decode_loop_steps(self) -> int:
+        """The decode steps a step runs when every sequence decodes (1 under speculative
+        decoding, whose steps verify proposals instead)."""
+        self._resolved("decode_steps")
+        return 1 if self.speculative_method else self.decode_steps
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -263,7 +288,8 @@ class EngineConfig:
             priority_aging_s=self.priority_aging_s,
             prefill_chunk_alignment=self.prefill_chunk_alignment,
             preemption_mode=self.preemption_mode,
-            token_buckets=token_buckets)
+            token_buckets=token_buckets, decode_steps=self.decode_loop_steps,
+            decode_steps_plain=bool(self.plain_programs))
 
     def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(token, sequence, blocks-per-sequence) buckets; each ends at its limit."""

@@ -1,15 +1,18 @@
 """Host work per engine step: the real engine loop over a runner that computes nothing.
 
     python scripts/bench_scheduler.py [--running 64 256 1024] [--steps 200] [--async]
-                                      [--device-ms 0]
+                                      [--device-ms 0] [--decode-steps 1 8]
+                                      [--workload mixed|decode]
 
 Runs LLMEngine (schedule, input build, launch, postprocess with detokenization, the outputs
 to the caller) with the default model's config and tokenizer, but with ZeroCostRunner in place
-of the model: a step costs no device time (or `--device-ms`, as if a device ran it). Keeps N
-requests of mixed prompt and output lengths in flight (a finished one is replaced at once) and
-prints, per N, each part's median and p99 per step. "step" is engine.step() plus the requests
-added before it, timed in a pass of its own without the per-part timers; the parts are timed in
-a second pass over the same workload.
+of the model: a step costs no device time (or `--device-ms` per decode step, as if a device ran
+it). Keeps N requests in flight (a finished one is replaced at once; of mixed prompt and output
+lengths, or, with `--workload decode`, all decoding) and prints, per N, each part's median and
+p99 per step, the host's time per token and the tokens/s. "step" is engine.step() plus the
+requests added before it, timed in a pass of its own without the per-part timers; the parts are
+timed in a second pass over the same workload. With `--decode-steps` above 1 a step where every
+sequence decodes runs that many decode steps in one call (EngineConfig.decode_steps).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ PARTS = ("add", "schedule", "build", "launch", "fetch", "postprocess", "detokeni
 
 class ZeroCostRunner:
     """ModelRunner's interface without a model: a step "samples" a token that depends on the
-    row's seed and position, at once, or `device_s` after the device (a queue of steps) would
-    have started it."""
+    row's seed and position, at once, or `device_s` per decode step after the device (a queue
+    of steps) would have started it. A step of several decode steps samples a token per step
+    and row, and stops a row at its limit or a stop id, as runtime/decode_loop.py does."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, device_s: float = 0.0):
         self.buckets = config.buckets()
@@ -50,13 +54,20 @@ class ZeroCostRunner:
         self._device_free = 0.0  # when the last launched step ends
 
     def dispatch(self, inp: StepInputs) -> tuple[StepOutput, float]:
-        pos = inp.attn.positions[inp.logits_indices].astype(np.int64)
-        tokens = (pos * 7919 + inp.sampling.seeds) % self.vocab_size
-        done = max(time.perf_counter(), self._device_free) + self.device_s
+        loop = inp.decode
+        k = 1 if loop is None else loop.num_steps
+        pos = inp.attn.positions[inp.logits_indices].astype(np.int64)[:, None] + np.arange(k)
+        tokens = ((pos * 7919 + inp.sampling.seeds[:, None]) % self.vocab_size).astype(np.int32)
+        if loop is None:
+            counts = inp.sampling.samples.astype(np.int32)
+        else:  # up to its limit, or its first stop id
+            stops = (tokens[:, :, None] == loop.stop_ids[:, None, :]).any(axis=2)  # (S, K)
+            first = np.where(stops.any(axis=1), stops.argmax(axis=1) + 1, k)
+            counts = np.minimum(loop.limit, first).astype(np.int32)
+        steps = int(counts.max(initial=1))  # the loop ends when every row has stopped
+        done = max(time.perf_counter(), self._device_free) + self.device_s * steps
         self._device_free = done
-        out = StepOutput(tokens.astype(np.int32)[:, None],
-                         inp.sampling.samples.astype(np.int32))
-        return out, done
+        return StepOutput(tokens, counts), done
 
     def fetch(self, step: tuple[StepOutput, float], want_logprobs: bool,
               want_prompt_logprobs: bool = False) -> StepOutput:
@@ -75,22 +86,30 @@ class ZeroCostRunner:
         pass
 
 
-def make_engine(num_running: int, loaded, async_scheduling: bool,
-                device_s: float = 0.0) -> LLMEngine:
-    max_len = 4096
+MAX_LEN = 4096
+
+
+def make_engine(num_running: int, loaded, async_scheduling: bool, device_s: float = 0.0,
+                decode_steps: int = 1, full_pool: bool = False) -> LLMEngine:
+    """`full_pool`: blocks for every sequence at max_model_len (else half that)."""
     cfg = EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=max(2048, 2 * num_running),
-                       max_model_len=max_len, block_size=16,
-                       num_kv_blocks=num_running * (max_len // 16) // 2,
-                       async_scheduling=async_scheduling)
+                       max_model_len=MAX_LEN, block_size=16,
+                       num_kv_blocks=num_running * (MAX_LEN // 16) // (1 if full_pool else 2),
+                       async_scheduling=async_scheduling, decode_steps=decode_steps)
     runner = ZeroCostRunner(cfg, loaded.config.vocab_size, device_s)
     return LLMEngine(cfg, loaded, runner=runner)
 
 
-class _Workload:
-    """N requests in flight: lognormal prompts of random ids, 16-511 output tokens each."""
+WORKLOADS = ("mixed", "decode")
 
-    def __init__(self, engine: LLMEngine, num_running: int, seed: int = 0):
-        self.engine, self.num_running = engine, num_running
+
+class _Workload:
+    """N requests in flight, of random ids. "mixed": lognormal prompts, 16-511 output tokens
+    each, so prompt chunks keep joining the decodes; "decode": 16-63-token prompts and outputs
+    longer than the run, so once they are in every step decodes alone."""
+
+    def __init__(self, engine: LLMEngine, num_running: int, kind: str = "mixed", seed: int = 0):
+        self.engine, self.num_running, self.kind = engine, num_running, kind
         self.rng = np.random.default_rng(seed)
         self.count = 0
         self.vocab = engine.model_config.vocab_size
@@ -98,16 +117,29 @@ class _Workload:
     def top_up(self) -> None:
         e = self.engine
         while e.num_unfinished_requests < self.num_running:
-            n = int(min(self.rng.lognormal(5.0, 1.0), 1500)) + 1
+            if self.kind == "decode":
+                n = int(self.rng.integers(16, 64))
+                out = MAX_LEN - n
+            else:
+                n = int(min(self.rng.lognormal(5.0, 1.0), 1500)) + 1
+                out = int(self.rng.integers(16, 512))
             ids = self.rng.integers(0, self.vocab, n).tolist()
-            params = SamplingParams(temperature=0, ignore_eos=True,
-                                    max_tokens=int(self.rng.integers(16, 512)))
+            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out)
             e.add_request(f"r{self.count}", prompt_token_ids=ids, params=params)
             self.count += 1
 
     def step(self) -> int:
         self.top_up()
         return sum(len(o.outputs[0].new_token_ids) for o in self.engine.step())
+
+    def warm_up(self, steps: int) -> None:
+        """`steps` steps; "decode": then on until every prompt is in."""
+        for _ in range(steps):
+            self.step()
+        sched = self.engine.scheduler
+        while self.kind == "decode" and (sched.waiting or any(
+                s.num_computed_tokens < s.num_prompt_tokens for s in sched.running)):
+            self.step()
 
 
 @contextlib.contextmanager
@@ -151,12 +183,15 @@ def _timed_parts(engine: LLMEngine, spent: dict[str, float]):
 
 
 def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
-          device_ms: float = 0.0, warm_steps: int = 20) -> dict:
-    """{"running", "tokens_per_step", "tok_s", "p50": {part: ms}, "p99": {part: ms}}."""
-    engine = make_engine(num_running, loaded, async_scheduling, device_ms / 1e3)
-    work = _Workload(engine, num_running)
-    for _ in range(warm_steps):  # reach a steady mix of decodes and prefill chunks
-        work.step()
+          device_ms: float = 0.0, warm_steps: int = 20, decode_steps: int = 1,
+          workload: str = "mixed") -> dict:
+    """{"running", "decode_steps", "tokens_per_step", "tok_s", "us_per_token", "ideal_tok_s",
+    "p50": {part: ms}, "p99": {part: ms}}. A step of several decode steps counts as one; the
+    ideal is the device's own pace (a token per sequence per `device_ms`; 0: none)."""
+    engine = make_engine(num_running, loaded, async_scheduling, device_ms / 1e3, decode_steps,
+                         full_pool=workload == "decode")
+    work = _Workload(engine, num_running, workload)
+    work.warm_up(warm_steps)  # reach a steady mix of decodes and prefill chunks
     step_t, tokens = [], 0
     t_start = time.perf_counter()
     for _ in range(steps):
@@ -176,7 +211,10 @@ def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
                 parts[part].append(spent[part])
     parts["step"] = step_t
     ms = lambda a, q: float(np.percentile(a, q) * 1e3)
-    return {"running": num_running, "tokens_per_step": tokens / steps, "tok_s": tokens / elapsed,
+    return {"running": num_running, "decode_steps": decode_steps,
+            "tokens_per_step": tokens / steps, "tok_s": tokens / elapsed,
+            "us_per_token": elapsed / max(tokens, 1) * 1e6,
+            "ideal_tok_s": num_running / (device_ms / 1e3) if device_ms else 0.0,
             "p50": {k: ms(v, 50) for k, v in parts.items()},
             "p99": {k: ms(v, 99) for k, v in parts.items()}}
 
@@ -190,7 +228,11 @@ def format_table(results: list[dict]) -> str:
                                              for r in results))
     lines.append(f"{'tokens/step':<12}" + "".join(f"{r['tokens_per_step']:>21.1f}"
                                                   for r in results))
+    lines.append(f"{'us/token':<12}" + "".join(f"{r['us_per_token']:>21.2f}" for r in results))
     lines.append(f"{'tok/s':<12}" + "".join(f"{r['tok_s']:>21.0f}" for r in results))
+    if any(r["ideal_tok_s"] for r in results):
+        lines.append(f"{'ideal tok/s':<12}" + "".join(f"{r['ideal_tok_s']:>21.0f}"
+                                                      for r in results))
     return "\n".join(lines)
 
 
@@ -203,9 +245,17 @@ def main() -> None:
     ap.add_argument("--async", dest="async_scheduling", action="store_true",
                     help="asynchronous scheduling (step N+1 launched before N's tokens are read)")
     ap.add_argument("--device-ms", type=float, default=0.0,
-                    help="device time of each step (the runner sleeps it out at fetch)")
+                    help="device time of each decode step (the runner sleeps it out at fetch); "
+                         "the ideal tokens/s is then a token per sequence per decode step")
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[1],
+                    help="the engine's decode_steps (several: a table for each)")
+    ap.add_argument("--workload", choices=WORKLOADS, default="mixed",
+                    help="mixed: prompt chunks keep joining the decodes; decode: every step "
+                         "decodes alone, once the prompts are in")
     args = ap.parse_args()
     loaded = load_model()  # only its config and tokenizer are used
-    results = [bench(n, args.steps, loaded, args.async_scheduling, args.device_ms)
-               for n in args.running]
-    print(format_table(results))
+    for k in args.decode_steps:
+        results = [bench(n, args.steps, loaded, args.async_scheduling, args.device_ms,
+                         decode_steps=k, workload=args.workload) for n in args.running]
+        print(f"decode_steps {k}, {args.workload} workload")
+        print(format_table(results))

@@ -92,6 +92,11 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    def stop_ids(self, eos_token_ids) -> list[int]:
+        """The token ids that end the request: its stop_token_ids, and EOS unless ignore_eos."""
+        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos
+                                                  else set(eos_token_ids)))
+
     @property
     def needs_history(self) -> bool:
         """Does picking the next token depend on the tokens generated so far (so the host
@@ -105,6 +110,13 @@ class SamplingParams:
         return (self.structured_outputs is not None and not self.penalized
                 and not self.bad_words and self.min_tokens == 0 and not self.logit_bias
                 and self.allowed_token_ids is None)
+
+    @property
+    def samples_plainly(self) -> bool:
+        """Greedy, or drawn from the temperature alone, with nothing asked of the logits
+        beside the token: a plain program's rows (runtime/step_inputs.StepInputs.plain)."""
+        return (not self.processes_logits and self.logprobs is None
+                and (self.temperature == 0 or (self.top_k <= 0 and self.top_p >= 1)))
 
     @property
     def processes_logits(self) -> bool:

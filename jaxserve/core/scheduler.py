@@ -78,6 +78,12 @@ class SchedulerConfig:
     # with more prompt tokens on offer than a bucket holds stops at that bucket instead of
     # padding to the next one: see Scheduler._fit_bucket.
     token_buckets: tuple[int, ...] = ()
+    # The most decode steps one step may run when every running sequence decodes (1: one);
+    # see Scheduler._run_ahead.
+    decode_steps: int = 1
+    # Such a step takes only sequences that sample plainly (SamplingParams.samples_plainly):
+    # the runner's program for it is plain (EngineConfig.plain_programs).
+    decode_steps_plain: bool = False
 
     def __post_init__(self):  # plain strings are accepted and normalized
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
@@ -93,12 +99,37 @@ class ScheduledSeq:
     is_prefill: bool = True  # prompt (or recompute) tokens rather than one decode token
     # speculative decoding: tokens proposed after its last one (its rows 1..), to verify
     drafts: list[int] | None = None
+    # decode steps it runs in a step of several (SchedulerOutput.decode_steps), one token each
+    num_steps: int = 1
+
+    @property
+    def end(self) -> int:
+        """Tokens with K/V once the step has run (each decode step after the first computes
+        the token the one before sampled)."""
+        return self.start + self.num_tokens + self.num_steps - 1
 
     @staticmethod
     def of(seq: Sequence, num_tokens: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         return ScheduledSeq(seq, start, num_tokens, start + num_tokens == seq.num_tokens,
                             not seq.is_decoding)
+
+
+# The stop ids (EOS included) of a sequence that a step of several decode steps checks on the
+# device; a sequence with more runs one decode step per step.
+MAX_LOOP_STOP_IDS = 8
+
+
+def _runs_ahead(s: ScheduledSeq, plain_only: bool) -> bool:
+    """Can the device decode several tokens of `s` without the host between them? Not with a
+    grammar or bad words (each token changes the next one's mask), below min_tokens (its stop
+    ids are banned until then), with more stop ids than the device checks, or, where the
+    loop's program is plain (`plain_only`), unless it samples plainly."""
+    seq, p = s.seq, s.seq.params
+    return (not s.is_prefill and not s.drafts and p.structured_outputs is None
+            and not p.bad_words and seq.num_sampled >= p.min_tokens
+            and len(seq.stop_ids) <= MAX_LOOP_STOP_IDS
+            and (not plain_only or p.samples_plainly))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,6 +174,9 @@ class SchedulerOutput:
     # A block may be reassigned later in the same schedule: the copies that read it are recorded
     # first, so they run before whatever writes it.
     copies: list[KVCopy] = dataclasses.field(default_factory=list)
+    # Decode steps the step runs in one call of the program (every sequence decodes; each
+    # takes up to its num_steps of them); 1: a plain step.
+    decode_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -214,15 +248,18 @@ class Scheduler:
         block_size = bm.block_size
         running = SequenceStatus.RUNNING
         plans = self._speculate(decodes, partial, budget) if self.speculator else {}
+        num_finishing = 0
         for seq in decodes:  # the hot path: one token each, a new block only at a boundary
             if budget <= 0:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
-            if seq.num_pending and (seq.reaches_length(seq.num_sampled, cfg.max_model_len)
-                                    or seq.params.needs_history):
+            if seq.num_pending and (
+                    (done := seq.reaches_length(seq.num_sampled, cfg.max_model_len))
+                    or seq.params.needs_history):
                 # Its token is on the way (asynchronous scheduling): its last one (done then),
                 # or one its next token's mask or penalties depend on (it sits out a step).
+                num_finishing += done
                 continue
             start = seq.num_computed_tokens
             if start >= len(seq.block_table) * block_size:
@@ -295,7 +332,34 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
+        if cfg.decode_steps > 1:
+            self._run_ahead(out, len(self.running) - num_finishing)
         return out
+
+    def _run_ahead(self, out: SchedulerOutput, num_active: int) -> None:
+        """Make a step in which all `num_active` running sequences decode (and none waits or
+        is swapped out: it would wait the whole call) run up to `decode_steps` decode steps in
+        one call (runtime/decode_loop.py), each sequence up to its max_tokens and
+        max_model_len. The blocks for its later tokens come from free blocks only, as a
+        proposal's do (its first token's block was taken as in any step, preempting if need
+        be); where they run short, so does the sequence's part of the call."""
+        if (self.waiting or self.swapped or len(out.scheduled) != num_active
+                or not all(_runs_ahead(s, self.config.decode_steps_plain)
+                           for s in out.scheduled)):
+            return
+        cfg, bm = self.config, self.block_manager
+        longest = 1
+        for s in out.scheduled:
+            seq = s.seq
+            n = max(1, min(cfg.decode_steps, seq.params.max_tokens - seq.num_sampled,
+                           cfg.max_model_len - seq.num_tokens))
+            if not bm.can_allocate(seq, s.start + n):
+                n = min(n, (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - s.start)
+            self._allocate(seq, s.start + n, out)
+            s.num_steps = n
+            longest = max(longest, n)
+        if longest > 1:
+            out.decode_steps = cfg.decode_steps
 
     # --------------------------------------------------------------------- blocks and copies
 

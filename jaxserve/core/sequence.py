@@ -31,7 +31,8 @@ class Sequence:
                  "arrival_index", "priority", "status", "num_computed_tokens", "block_table",
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
                  "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
-                 "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next")
+                 "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next",
+                 "stop_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -66,6 +67,9 @@ class Sequence:
         self.cache_salt = cache_salt
         # The host side of its logit processing (engine/logits_state.py), or None.
         self.logits_state = None
+        # The token ids that end it (SamplingParams.stop_ids, set by the engine, which knows
+        # EOS): a step of several decode steps checks them on the device.
+        self.stop_ids: list[int] = []
         # A sibling (parallel sampling, n > 1) whose prompt this one reads from the prefix
         # cache: it is admitted once that sibling's prompt is computed.
         self.waits_for: Sequence | None = None
@@ -81,10 +85,10 @@ class Sequence:
         else:
             self.num_tokens += 1
 
-    def add_pending(self) -> None:
-        """A step that will sample this sequence's next token has been launched."""
-        self.num_pending += 1
-        self.num_tokens += 1
+    def add_pending(self, n: int = 1) -> None:
+        """A step that will sample this sequence's next `n` tokens has been launched."""
+        self.num_pending += n
+        self.num_tokens += n
 
     def drop_pending(self) -> None:
         """Forget tokens still being sampled (the sequence finished before they arrived)."""

@@ -60,6 +60,7 @@ class StepRecord:
     duration_s: float  # from its scheduling to its tokens on the host (steps overlap when async)
     bucket: tuple[int, int, int] | None
     finished_at: float = 0.0  # perf_counter when its tokens were postprocessed
+    decode_steps: int = 1  # the decode steps it ran in one call (SchedulerOutput.decode_steps)
 
     @property
     def request_ids(self) -> list[str]:
@@ -226,6 +227,7 @@ class LLMEngine:
                     (self.config.seed * 1_000_003 + self._arrivals) & 0xFFFFFFFF)
             seq = Sequence(request_id if n == 1 else f"{request_id}#{i}", ids, child,
                            self._arrivals, seed, priority, arrival_time, cache_salt)
+            seq.stop_ids = child.stop_ids(self.eos_token_ids)
             if child.processes_logits:  # built once; the other samples share its parts
                 seq.logits_state = (self._logits_state(child, ids) if i == 0 else
                                     seqs[0].logits_state.sibling(self._matcher(child)))
@@ -444,7 +446,7 @@ class LLMEngine:
                                         self.config.block_size, self.runner.num_blocks,
                                         self.runner.logits_shape, prev.rows if prev else None,
                                         self.config.spec_tokens, self._tables,
-                                        self.runner.plain_programs)
+                                        self.runner.plain_programs, sched.decode_steps)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step
@@ -525,8 +527,8 @@ class LLMEngine:
             self.step_trace.append(StepRecord(
                 self.metrics.num_steps - 1,
                 [(s.seq.request_id, s.num_tokens if s.is_prefill else 0,
-                  0 if s.is_prefill else s.num_tokens) for s in scheduled],
-                now - step.t0, step.inputs.bucket, now))
+                  0 if s.is_prefill else s.end - s.start) for s in scheduled],
+                now - step.t0, step.inputs.bucket, now, step.sched.decode_steps))
         return outputs
 
     def _record_speculation(self, scheduled: list[ScheduledSeq], result, prefill: int,

@@ -54,8 +54,7 @@ class LogitsState:
                         if params.allowed_token_ids is not None else None)
         self.bad_words = bad_words  # token ids of each bad word (and its spaced variant)
         # min_tokens bans what would stop the request early
-        self.stop_ids = sorted(set(params.stop_token_ids)
-                               | (set() if params.ignore_eos else set(eos_token_ids)))
+        self.stop_ids = params.stop_ids(eos_token_ids)
         self.matcher = matcher  # an llguidance matcher (engine/structured_output.py), or None
         # The penalties' history: the distinct tokens of the prompt and the output so far,
         # each with its count in the output and whether the prompt holds it. It grows by one

@@ -1,10 +1,11 @@
 """Postprocess: what the host does with one step's sampled tokens (no jax).
 
 When a step is launched, every scheduled sequence advances its computed tokens and marks the
-token it samples as pending. When the step's tokens are back, each sequence appends them (up to
-K per sequence: more than one when speculative decoding accepts proposals), detokenizes them
-incrementally, records logprobs and timings, and applies the stop rules: EOS (unless ignore_eos),
-a stop token id, a stop string (the text is trimmed before it), max_tokens, max_model_len. A
+tokens it samples as pending. When the step's tokens are back, each sequence appends them (up to
+K per sequence: more than one when speculative decoding accepts proposals or the step runs
+several decode steps), detokenizes them incrementally, records logprobs and timings, and
+applies the stop rules: EOS (unless ignore_eos), a stop token id, a stop string (the text is
+trimmed before it), max_tokens, max_model_len; tokens after a stop are dropped. A
 sequence that stops is finished in the scheduler at once, so its blocks return before the next
 schedule. The engine, the scheduler simulator and the host-overhead benchmark all step through
 this one loop.
@@ -53,10 +54,10 @@ class Postprocessor:
         before this step's tokens are back."""
         commit = self.scheduler.block_manager.commit
         for s in scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_tokens
+            s.seq.num_computed_tokens = s.end
             commit(s.seq)
             if s.samples:
-                s.seq.add_pending()
+                s.seq.add_pending(s.num_steps)
 
     def resolve(self, scheduled: list[ScheduledSeq], tokens: Seq[Seq[int]], now: float,
                 logprobs: LogprobFn | None = None) -> list[SeqUpdate]:
@@ -85,6 +86,10 @@ class Postprocessor:
                     # written again, and blocks past its tokens go back
                     seq.num_computed_tokens = s.start + len(row)
                     self.scheduler.block_manager.trim(seq, seq.num_tokens)
+                elif len(row) < s.num_steps and not update.finished:
+                    # the device stops a row early only at a stop id, which finishes it here
+                    raise RuntimeError(f"{len(row)} of {s.num_steps} decode steps ran, "
+                                       f"with no stop")
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 update.error = f"{type(e).__name__}: {e}"
             updates.append(update)

@@ -10,12 +10,12 @@ inputs (`multihost_utils.broadcast_one_to_all`, itself a collective over the sam
 and the followers run the same compiled step on their shards. Nothing a follower does depends
 on timing, arrivals or the host's clock, so the processes cannot drift apart.
 
-Each broadcast is a fixed header (the op and the step's program: its bucket and proposal
-slots), then, for a step, the StepInputs, whose shapes the program fixes. While the leader has
-no work it broadcasts a no-op every second, so a follower waiting for the next step notices a
-leader that died, and the leader notices a follower that died. Either way the collective fails
-at once (gloo sees the peer's sockets close) and the survivor exits with a message that says so
-(`fatal`), instead of waiting on a peer that will never answer.
+Each broadcast is a fixed header (the op and the step's program: its bucket, proposal slots
+and decode steps), then, for a step, the StepInputs, whose shapes the program fixes. While the
+leader has no work it broadcasts a no-op every second, so a follower waiting for the next step
+notices a leader that died, and the leader notices a follower that died. Either way the
+collective fails at once (gloo sees the peer's sockets close) and the survivor exits with a
+message that says so (`fatal`), instead of waiting on a peer that will never answer.
 
 Not available across processes: the host pool (swap preemption and the prefix cache's host
 tier need the whole pool readable from one process) and data-parallel replicas.
@@ -172,7 +172,8 @@ class StepBroadcast:
             np.zeros(len(Program._fields) + 2, np.int32)).tolist()
         if op != STEP:
             return op, None
-        template = self._dummy(Program(*program[:-1], bool(program[-1])))
+        program = Program(*program)
+        template = self._dummy(program._replace(plain=bool(program.plain)))
         if processed:
             return op, self._broadcast(template)
         got = self._broadcast(dataclasses.replace(template, processing=None))

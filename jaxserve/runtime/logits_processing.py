@@ -110,6 +110,22 @@ def apply(logits: jax.Array, li: LogitsInputs) -> jax.Array:
     return jax.lax.cond(li.active, process, lambda x: x, logits)
 
 
+def count(li: LogitsInputs, tokens: jax.Array, counted: jax.Array,
+          vocab_size: int) -> LogitsInputs:
+    """The history once the rows `counted` (S,) bool have sampled `tokens` (S,): each token's
+    output count goes up by one, a token new to its row taking the row's first unused slot
+    (as the host's LogitsState.consume does). Skipped when no row is processed."""
+    def update(li):
+        s, h = li.hist_ids.shape
+        new = counted & ~jnp.any(li.hist_ids == tokens[:, None], axis=1)
+        free = jnp.sum(li.hist_ids < vocab_size, axis=1)  # unused slots follow the used ones
+        ids = li.hist_ids.at[jnp.arange(s), jnp.where(new, free, h)].set(tokens, mode="drop")
+        hits = (ids == tokens[:, None]) & counted[:, None]
+        return dataclasses.replace(li, hist_ids=ids, hist_counts=li.hist_counts + hits)
+
+    return jax.lax.cond(li.active, update, lambda li: li, li)
+
+
 def masked(logits: jax.Array, mask: jax.Array) -> jax.Array:
     """(..., V) logits with the tokens a (..., W) bit mask disallows set to -inf."""
     ids = jnp.arange(logits.shape[-1])

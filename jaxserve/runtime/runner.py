@@ -4,8 +4,10 @@
 pools donated (the target's, and a draft model's under speculative decoding), so XLA updates the
 pages in place. One executable exists per (tokens, sequences, blocks-per-sequence) bucket and,
 under speculative decoding, per K in {0, num_speculative_tokens} (the proposal slots per row);
-`warmup()` compiles them all ahead of time, and `num_compiles` counts every compile so a
-test can prove nothing compiles after warmup (`strict_compile` turns that into an error).
+the buckets of steps where every sequence decodes have one more, that runs several decode steps
+per call (runtime/decode_loop.py). `warmup()` compiles them all ahead of time, and
+`num_compiles` counts every compile so a test can prove nothing compiles after warmup
+(`strict_compile` turns that into an error).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from jaxserve.models.llama import (
 from jaxserve.models.loader import LoadedModel
 from jaxserve.runtime import (
     compile_cache,
+    decode_loop,
     distributed,
     executable_cache,
     logits_processing,
@@ -52,7 +55,6 @@ from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, po
 from jaxserve.runtime.sampling import (
     PromptLogprobs,
     SamplerOutput,
-    no_prompt_logprobs,
     prompt_logprobs,
     sample,
     sample_plain,
@@ -94,7 +96,8 @@ def auto_kv_dtype(dtype, backend: AttentionBackend):
 
 @dataclasses.dataclass(slots=True)
 class StepOutput:
-    """One step's sampled tokens on the host: up to K per sequence row (K = 1 today)."""
+    """One step's sampled tokens on the host: up to K per sequence row (K > 1: accepted
+    proposals, or several decode steps)."""
 
     token_ids: np.ndarray  # (S, K) int32
     num_tokens: np.ndarray  # (S,) int32: real tokens of each row (0: nothing sampled)
@@ -350,6 +353,15 @@ class ModelRunner:
         (params, *draft_params), kv = params, pools[0]
         ids = jnp.where(inp.prev_rows >= 0, last_tokens[jnp.maximum(inp.prev_rows, 0)],
                         inp.input_ids)
+        if inp.decode is not None:  # several decode steps (runtime/decode_loop.py)
+            kv, out = decode_loop.run(
+                functools.partial(self._decode_step, params, inp.logits_indices, max_logprobs,
+                                  inp.plain),
+                kv, ids, inp.attn, inp.sampling, inp.processing, inp.logits_indices, inp.decode,
+                max_logprobs, self.logits_shape.vocab_size,
+                early_exit=not self.plain_programs)  # (a condition to read back, as a branch)
+            return self._result((kv, *pools[1:]), out,
+                                PromptLogprobs.empty(ids.shape[0], max_logprobs), last_tokens)
         if len(pools) > 1:  # a draft model proposes the speculating rows' tokens
             with jax.named_scope("draft"):
                 run_draft = functools.partial(self._run_draft, draft_params[0])
@@ -376,34 +388,51 @@ class ModelRunner:
             logits = lm_logits(self.model_config, x, params, self.block_matmul)
             return logits if self.mesh is None else sharding.gather_once(logits, self.mesh)
 
-        def sample_rows(logits):  # (S, V) -> the plain sampler's output
-            return sample(logits_processing.apply(logits, inp.processing), inp.sampling,
-                          max_logprobs, inp.processing.min_p, raw_logits=logits)
-
         if not spec_k and self.mesh is not None:
             logits = sharding.gather_once(logits, self.mesh)
         if inp.plain:  # no branches: every row greedy or from its temperature alone
             with jax.named_scope("sample"):
                 out = sample_plain(logits, inp.sampling, max_logprobs)
-            prompt = no_prompt_logprobs(hidden.shape[0], max_logprobs)
-            return pools, StepResult(out, prompt), self._next_tokens(out, last_tokens)
+            return self._result(pools, out, PromptLogprobs.empty(hidden.shape[0], max_logprobs),
+                                last_tokens)
         with jax.named_scope("sample"):
             if not spec_k:
-                out = sample_rows(logits)
+                out = self._sample_rows(logits, inp.sampling, inp.processing, max_logprobs)
             else:
                 out = self._sample_or_verify(hidden, head_logits, inp,
                                              max_logprobs)
         with jax.named_scope("prompt_logprobs"):
             prompt = prompt_logprobs(head_logits, hidden, inp.prompt_targets, max_logprobs)
-        return pools, StepResult(out, prompt), self._next_tokens(out, last_tokens)
+        return self._result(pools, out, prompt, last_tokens)
 
     @staticmethod
-    def _next_tokens(out: SamplerOutput, last_tokens: jax.Array) -> jax.Array:
-        """Each row's last token, padded to last_tokens' shape (a later step's input under
-        asynchronous scheduling)."""
+    def _result(pools: tuple[KVCache, ...], out: SamplerOutput, prompt: PromptLogprobs,
+                last_tokens: jax.Array):
+        """The step's outputs, with each row's last token (a later step's input under
+        asynchronous scheduling) padded to last_tokens' shape."""
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.num_tokens - 1, 0)[:, None],
                                    axis=1)[:, 0]
-        return jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
+        next_tokens = jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
+        return pools, StepResult(out, prompt), next_tokens
+
+    @staticmethod
+    def _sample_rows(logits: jax.Array, si, li, max_logprobs: int) -> SamplerOutput:
+        """(S, V) -> the plain sampler's output, after the rows' logit processing."""
+        return sample(logits_processing.apply(logits, li), si, max_logprobs, li.min_p,
+                      raw_logits=logits)
+
+    def _decode_step(self, params, logits_indices: jax.Array, max_logprobs: int, plain: bool,
+                     kv: KVCache, ids: jax.Array, md, si, li) -> tuple[KVCache, SamplerOutput]:
+        """One decode step of the loop (runtime/decode_loop.py's StepFn): the forward, then
+        the sampler, as a single step runs them (`plain`: StepInputs.plain)."""
+        with jax.named_scope("forward"):
+            k, v, logits, _ = self.model.apply({"params": params}, ids, kv.k, kv.v, md,
+                                               logits_indices)
+        if self.mesh is not None:
+            logits = sharding.gather_once(logits, self.mesh)
+        with jax.named_scope("sample"):
+            return KVCache(k, v), (sample_plain(logits, si, max_logprobs) if plain else
+                                   self._sample_rows(logits, si, li, max_logprobs))
 
     def _run_draft(self, params, kv: KVCache, ids: jax.Array, md, want_logits: bool):
         """The draft model over rows `ids` (runtime/speculative.py's DraftFn)."""
@@ -438,11 +467,17 @@ class ModelRunner:
 
     def all_programs(self) -> list[Program]:
         """Every bucket without proposals, under speculation with K too, and with
-        plain_programs the plain variant of each."""
+        plain_programs the plain variant of each; the buckets a step of decodes alone pads to
+        (tokens <= max_num_seqs) also with the decode loop's steps (plain with plain_programs:
+        the scheduler then gives the loop only steps that qualify)."""
         ks = sorted({0, self.config.spec_tokens})
         programs = [Program(*b, k) for b in self.all_buckets() for k in ks]
         if self.plain_programs:
             programs += [Program(*b, 0, True) for b in self.all_buckets()]
+        n = self.config.decode_loop_steps
+        if n > 1:
+            programs += [Program(*b, 0, self.plain_programs, n) for b in self.all_buckets()
+                         if b[0] <= self.config.max_num_seqs]
         return programs
 
     def _unused_processing(self, s: int) -> logits_processing.LogitsInputs:
@@ -454,7 +489,7 @@ class ModelRunner:
     def _dummy_inputs(self, program: Program) -> StepInputs:
         return dummy_step_inputs(program.tokens, program.seqs, program.blocks, self.block_size,
                                  self.num_blocks, self.logits_shape, program.spec_k,
-                                 program.plain)
+                                 program.plain, program.decode_steps)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         return self._jitted.lower(self.step_params, self.pools, self._last_tokens,
@@ -463,7 +498,7 @@ class ModelRunner:
     def _compile(self, program: Program) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
             raise RecompileError(f"program {program} (tokens, sequences, blocks, proposal "
-                                 f"slots) was not compiled at warmup")
+                                 f"slots, decode steps) was not compiled at warmup")
         t0 = time.perf_counter()
         exe = self._cached(program)
         if exe is None:

@@ -190,6 +190,13 @@ class PromptLogprobs:
     top_ids: jax.Array  # (T, max_logprobs) int32
     top_logprobs: jax.Array  # (T, max_logprobs) float32
 
+    @staticmethod
+    def empty(t: int, max_logprobs: int) -> PromptLogprobs:
+        """The zeros of a step whose rows have no prompt token to score."""
+        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32),
+                              jnp.zeros((t, max_logprobs), jnp.int32),
+                              jnp.zeros((t, max_logprobs), jnp.float32))
+
 
 def prompt_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array,
                     max_logprobs: int) -> PromptLogprobs:
@@ -209,11 +216,4 @@ def prompt_logprobs(logits_fn, hidden: jax.Array, targets: jax.Array,
         return PromptLogprobs(chosen[:, 0], ranks, top_ids.astype(jnp.int32), top_lp)
 
     return jax.lax.cond(jnp.any(targets >= 0), compute,
-                        lambda: no_prompt_logprobs(t, max_logprobs))
-
-
-def no_prompt_logprobs(t: int, max_logprobs: int) -> PromptLogprobs:
-    """What a step of `t` query rows that no request asked prompt logprobs of returns."""
-    return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32),
-                          jnp.zeros((t, max_logprobs), jnp.int32),
-                          jnp.zeros((t, max_logprobs), jnp.float32))
+                        lambda: PromptLogprobs.empty(t, max_logprobs))

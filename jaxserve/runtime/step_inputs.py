@@ -13,8 +13,9 @@ import numpy as np
 from jaxserve.core.scheduler import ScheduledSeq, pick_bucket, prompt_rows
 from jaxserve.core.sequence import PENDING
 from jaxserve.kernels.attention.metadata import AttentionMetadata
-from jaxserve.runtime import logits_processing
+from jaxserve.runtime import decode_loop, logits_processing
 from jaxserve.runtime.block_tables import BlockTableRows
+from jaxserve.runtime.decode_loop import DecodeLoopInputs
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
 from jaxserve.runtime.speculative import SpecInputs
@@ -22,13 +23,14 @@ from jaxserve.runtime.speculative import SpecInputs
 
 class Program(NamedTuple):
     """What a step program is compiled for: its bucket, K (proposal slots per row: 0 in a step
-    that verifies nothing) and `plain` (StepInputs.plain)."""
+    that verifies nothing), `plain` (StepInputs.plain) and the decode steps it runs."""
 
     tokens: int
     seqs: int
     blocks: int
     spec_k: int = 0
     plain: bool = False
+    decode_steps: int = 1
 
 
 @jax.tree_util.register_dataclass
@@ -45,9 +47,11 @@ class StepInputs:
     sampling: SamplingInputs
     processing: LogitsInputs  # per-request logit processing (runtime/logits_processing.py)
     spec: SpecInputs  # proposed tokens to verify (runtime/speculative.py); K = 0 without
+    # several decode steps in one call (runtime/decode_loop.py); None: one step
+    decode: DecodeLoopInputs | None = None
     # Static: every row is greedy or samples from the temperature alone, and nothing else is
     # asked (logprobs, logit processing, min_p, prompt logprobs, proposals): its program has no
-    # runtime branches, each of which on a GPU waits for the device (plain_sampling).
+    # runtime branches, each of which on a GPU waits for the device (plain_programs).
     plain: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
@@ -58,7 +62,8 @@ class StepInputs:
     @property
     def program(self) -> Program:
         """The compiled program that runs it."""
-        return Program(*self.bucket, self.spec.draft_tokens.shape[1], self.plain)
+        return Program(*self.bucket, self.spec.draft_tokens.shape[1], self.plain,
+                       1 if self.decode is None else self.decode.num_steps)
 
 
 def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int) -> int:
@@ -78,12 +83,14 @@ def build_step_inputs(
     spec_k: int = 0,
     tables: BlockTableRows | None = None,
     plain_programs: bool = False,
+    decode_steps: int = 1,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
     row may propose (speculative decoding); a step without proposals gets K = 0. `tables`:
     the block tables kept from earlier steps (else each is copied whole). `plain_programs`:
-    the runner has plain programs (a step that qualifies gets `plain`)."""
+    the runner has plain programs (a step that qualifies gets `plain`). `decode_steps`: the
+    step's decode steps (SchedulerOutput.decode_steps)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
@@ -171,9 +178,8 @@ def build_step_inputs(
     processed = [(i, s.seq) for i, s in enumerate(scheduled)
                  if s.samples and s.seq.logits_state is not None]
     processing = logits_processing.build(processed, logits_shape, s_pad)
-    plain = (plain_programs and spec_k == 0 and not want_logprobs and not processing.active
-             and not processing.min_p.any() and not (prompt_targets >= 0).any()
-             and not any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params))
+    plain = (plain_programs and spec_k == 0 and not (prompt_targets >= 0).any()
+             and all(s.seq.params.samples_plainly for s in scheduled if s.samples))
 
     return StepInputs(
         input_ids=input_ids,
@@ -189,6 +195,8 @@ def build_step_inputs(
         processing=processing,
         spec=spec,
         plain=plain,
+        decode=(decode_loop.build(scheduled, s_pad, decode_steps) if decode_steps > 1
+                else None),
     )
 
 
@@ -210,7 +218,7 @@ def _all_allowed(s: int, k: int, mask_words: int) -> np.ndarray:
 
 def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                       logits_shape: LogitsShape, spec_k: int = 0,
-                      plain: bool = False) -> StepInputs:
+                      plain: bool = False, decode_steps: int = 1) -> StepInputs:
     """Shape-only stand-in for compiling a program at warmup (all rows are padding)."""
     i32 = lambda n: np.zeros(n, np.int32)
     return StepInputs(
@@ -229,4 +237,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
         processing=logits_shape.unused(s),
         spec=empty_spec_inputs(s, spec_k, logits_shape.mask_words),
         plain=plain,
+        decode=(decode_loop.build([], s, decode_steps) if decode_steps > 1 else None),
     )

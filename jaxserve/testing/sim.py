@@ -72,28 +72,31 @@ class SimExecutor:
                     self.host[h] = list(self.device.get(d, []))
                 else:
                     self.device[d] = list(self.host[h])
+        # a row samples a token per decode step (several in a step of several)
+        tokens = [[fake_token(s.seq.request_id, s.seq.num_output_tokens + i)
+                   for i in range(s.num_steps)] if s.samples else [] for s in out.scheduled]
         if self.check_kv:
-            for sch in out.scheduled:
-                self._check_and_write(sch.seq, sch.start, sch.num_tokens)
-        tokens = [[fake_token(s.seq.request_id, s.seq.num_output_tokens)] if s.samples else []
-                  for s in out.scheduled]
+            for sch, row in zip(out.scheduled, tokens, strict=True):
+                self._check_and_write(sch.seq, sch.start, sch.end - sch.start, row)
         for u in self.postprocessor.apply(out.scheduled, tokens, self.scheduler.clock()):
             if u.finished:
                 self.finished[u.seq.request_id] = self.requests.pop(u.seq.request_id)
         self.num_steps += 1
 
-    def _tags(self, seq: Sequence, end: int) -> list:
+    def _tags(self, seq: Sequence, end: int, ahead: list[int]) -> list:
+        """The tags of positions 0..end-1; `ahead`: the tokens this step samples, the inputs
+        of the later decode steps of a step of several."""
         if not self.block_manager.enable_caching:
             return [(seq.request_id, pos) for pos in range(end)]
-        tags, h = [], 0
+        tags, h, known = [], 0, seq.num_prompt_tokens + seq.num_output_tokens
         for pos in range(end):
-            h = hash((h, seq.token_at(pos)))
+            h = hash((h, seq.token_at(pos) if pos < known else ahead[pos - known]))
             tags.append((pos, h))
         return tags
 
-    def _check_and_write(self, seq: Sequence, start: int, n: int) -> None:
+    def _check_and_write(self, seq: Sequence, start: int, n: int, ahead: list[int]) -> None:
         b = self.block_size
-        want = self._tags(seq, start + n)
+        want = self._tags(seq, start + n, ahead)
         for pos in range(start):  # the context this step reads must be this sequence's own
             tags = self.device.get(seq.block_table[pos // b])
             got = tags[pos % b] if tags is not None else None

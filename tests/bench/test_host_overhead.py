@@ -7,8 +7,8 @@ from jaxserve.core.sampling_params import SamplingParams
 from tests.helpers import run_all
 
 
-def _run(loaded, async_scheduling: bool) -> dict:
-    engine = make_engine(16, loaded, async_scheduling)
+def _run(loaded, async_scheduling: bool, decode_steps: int = 1) -> dict:
+    engine = make_engine(16, loaded, async_scheduling, decode_steps=decode_steps)
     for i in range(40):
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=5 + i % 7,
                                 stop=["e"] if i % 3 == 0 else None)
@@ -31,3 +31,13 @@ def test_bench_times_every_part(smollm):
     # detokenizing is part of postprocessing, step by step
     assert r["p50"]["detokenize"] <= r["p50"]["postprocess"]
 
+
+
+def test_zero_cost_runner_runs_several_decode_steps_per_call(smollm):
+    """A step of several decode steps stops each row where the host would, as the real
+    runner's loop does: the same outputs as one decode step per call."""
+    want = _run(smollm, False)
+    assert _run(smollm, False, decode_steps=4) == want
+    assert _run(smollm, True, decode_steps=4) == want
+    r = bench(8, 4, smollm, warm_steps=2, decode_steps=4, workload="decode")
+    assert r["tokens_per_step"] == 8 * 4 and r["us_per_token"] > 0

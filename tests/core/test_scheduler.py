@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -156,6 +158,49 @@ def test_preemption_recompute_and_swap_resume():
             assert s.scheduler.swap_space.num_used == 0
 
 
+def test_a_step_of_decodes_alone_runs_several_decode_steps():
+    s = sim(block_size=4, decode_steps=4)
+    s.add("a", 4, 10)
+    s.add("b", 4, 3)
+    assert s.step().decode_steps == 1  # the prompts
+    out = s.step()
+    assert out.decode_steps == 4
+    # b's first token came with its prompt: 2 to go
+    assert {x.seq.request_id: x.num_steps for x in out.scheduled} == {"a": 4, "b": 2}
+    a = s.requests["a"]  # its blocks hold the K/V of positions 4..7, which its steps write
+    assert a.num_computed_tokens == 8 and len(a.block_table) == 2
+    assert a.output_token_ids == [fake_token("a", i) for i in range(5)]
+    assert s.finished["b"].output_token_ids == [fake_token("b", i) for i in range(3)]
+    s.add("c", 4, 2)  # a request waits: one decode step, in the step that admits it
+    assert s.step().decode_steps == 1
+    assert s.step().decode_steps == 4
+
+
+def test_several_decode_steps_take_free_blocks_only():
+    s = sim(num_blocks=3, block_size=4, decode_steps=4)
+    s.add("a", 3, 10)
+    s.add("b", 3, 10)
+    s.step()
+    out = s.step()  # a takes the one free block for its steps; b's end at its block's end
+    assert {x.seq.request_id: x.num_steps for x in out.scheduled} == {"a": 4, "b": 1}
+    assert s.scheduler.num_preemptions == 0 and s.block_manager.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("option, value, steps", [
+    ("min_tokens", 3, [1, 1, 1, 4]),  # its stop ids are banned until its third token
+    ("bad_words", ["x"], [1, 1, 1, 1]),  # each token changes the next one's mask
+    ("structured_outputs", {"regex": "a+"}, [1, 1, 1, 1]),
+    ("stop_token_ids", list(range(9)), [1, 1, 1, 1]),  # more than the device checks
+    ("stop_token_ids", list(range(8)), [1, 4, 4, 4]),
+])
+def test_requests_that_need_the_host_between_tokens_run_one_decode_step(option, value, steps):
+    s = sim(block_size=4, decode_steps=4)
+    seq = s.add("a", 4, 16)
+    seq.params = dataclasses.replace(seq.params, **{option: value})
+    seq.stop_ids = seq.params.stop_ids(())
+    assert [s.step().decode_steps for _ in steps] == steps
+
+
 def test_priority_late_high_priority_runs_first():
     clock = Clock()
     s = sim(max_num_seqs=2, policy="priority", clock=clock)
@@ -198,7 +243,8 @@ def workloads(draw):
                policy=draw(st.sampled_from(["fcfs", "priority", "static"])),
                preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
                prefill_chunk_alignment=draw(st.sampled_from([1, 4])),
-               priority_aging_s=draw(st.sampled_from([None, 3.0])))
+               priority_aging_s=draw(st.sampled_from([None, 3.0])),
+               decode_steps=draw(st.sampled_from([1, 1, 3])))
     if draw(st.booleans()):  # steps end on these where that computes fewer padded rows
         budget = cfg["max_num_batched_tokens"]
         cfg["token_buckets"] = tuple(b for b in (1, 2, 4, 8, 12, 16, 32) if b < budget) + (budget,)

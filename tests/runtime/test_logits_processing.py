@@ -122,3 +122,28 @@ def test_history_grows_token_by_token_and_samples_keep_their_own():
         assert counts.tolist() == [out.count(t) for t in ids.tolist()]
         assert in_prompt.tolist() == [t in prompt for t in ids.tolist()]
     assert twin.allowed is state.allowed  # the request's own parts are shared
+
+
+def test_the_step_counts_sampled_tokens_as_the_host_does():
+    """A step of several decode steps counts each sampled token into the history on the
+    device: the same slots, ids and counts as the host's consume, row by row."""
+    rng = np.random.default_rng(2)
+    p = SamplingParams(presence_penalty=0.5, repetition_penalty=1.2)
+    seqs = [_seq(i, rng.integers(0, V, 10).tolist(), [], p) for i in range(2)]
+    li = logits_processing.build(list(enumerate(seqs)), SHAPE, 3)  # one padding row
+    count = jax.jit(logits_processing.count, static_argnums=3)
+    for _ in range(12):
+        tokens = rng.integers(0, V, 3).astype(np.int32)
+        counted = np.asarray([True, rng.random() < 0.5, False])
+        li = count(li, tokens, counted, V)
+        for seq, t, c in zip(seqs, tokens.tolist(), counted, strict=False):
+            if c:
+                seq.logits_state.consume(t)
+    for i, seq in enumerate(seqs):
+        ids, counts, in_prompt = seq.logits_state.history()
+        n = len(ids)
+        assert np.asarray(li.hist_ids[i, :n]).tolist() == ids.tolist()
+        assert np.asarray(li.hist_counts[i, :n]).tolist() == counts.tolist()
+        assert np.asarray(li.hist_in_prompt[i, :n]).tolist() == in_prompt.tolist()
+        assert (np.asarray(li.hist_ids[i, n:]) == V).all()
+    assert (np.asarray(li.hist_ids[2]) == V).all()  # the padding row counts nothing
