@@ -303,11 +303,14 @@ def time_generate(llm, prompts, new_tokens: int) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs), "short outputs"
-    done = [r.finished_at for r in engine.step_trace if r.num_prefill_tokens == 0]
-    gaps = np.diff(done)
+    decodes = [r for r in engine.step_trace if r.num_prefill_tokens == 0]
+    # per decode step: a call of several decode steps yields that many tokens per row
+    per_step = [(b.finished_at - a.finished_at) / b.decode_steps
+                for a, b in zip(decodes, decodes[1:], strict=False)]
     return {"wall_s": wall, "tok_per_s": len(prompts) * new_tokens / wall,
-            "decode_step_s": float(np.median(gaps)) if len(gaps) else float("nan"),
-            "decode_steps": len(done)}
+            "decode_step_s": float(np.median(per_step)) if per_step else float("nan"),
+            "decode_calls": len(decodes),
+            "decode_steps_per_call": max((r.decode_steps for r in decodes), default=1)}
 
 
 def hf_peer(model_dir: str, model_path: str | None, prompts, new_tokens: int, dtype) -> dict:
@@ -417,8 +420,9 @@ def engine_line(row: dict) -> str:
         return f"{head} error {row['error']}"
     g, hf = row["generate"], row.get("hf")
     line = (f"{head} step program {row['step_program_s'] * 1e3:7.2f} ms; in LLM.generate "
-            f"{g['decode_step_s'] * 1e3:7.2f} ms (host share {row['host_share_s'] * 1e3:+.2f} "
-            f"ms), {g['tok_per_s']:9.1f} tok/s")
+            f"{g['decode_step_s'] * 1e3:7.2f} ms per decode step, up to "
+            f"{g['decode_steps_per_call']} per call (host share "
+            f"{row['host_share_s'] * 1e3:+.2f} ms), {g['tok_per_s']:9.1f} tok/s")
     return line if hf is None else (
         f"{line}; HF generate {hf['step_s'] * 1e3:7.2f} ms/step, {hf['tok_per_s']:9.1f} tok/s "
         f"({g['tok_per_s'] / hf['tok_per_s']:.2f}x)")
@@ -490,9 +494,12 @@ def main() -> int:
                     help="the engine's layer loop (default: the engine's default)")
     ap.add_argument("--attention-backend", default=None,
                     help="the engine's attention backend (default: auto)")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="the engine's decode steps per call (default: the engine's)")
     args = ap.parse_args()
     options = {k: v for k, v in (("layer_loop", args.layer_loop),
-                                 ("attention_backend", args.attention_backend)) if v}
+                                 ("attention_backend", args.attention_backend),
+                                 ("decode_steps", args.decode_steps)) if v}
     t0 = time.perf_counter()
     dev = jax.devices()[0]
     say(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
