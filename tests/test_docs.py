@@ -13,7 +13,7 @@ PAGES = [ROOT / "README.md", *DOCS]
 README_MAX_LINES = 150
 CSV_COLUMNS = ["topic", "measurement", "jaxserve", "compared_with", "commit", "commit_date",
                "machine", "date", "runs", "note"]
-MACHINES = {"epyc-avx512", "epyc-avx2", "epyc", "not recorded"}
+MACHINES = {"epyc-avx512", "epyc-avx2", "epyc", "h200", "not recorded"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 INDENTED = re.compile(r"^(?: {4}|\t).*$", re.M)
