@@ -4,12 +4,15 @@ FFI targets.
 The library is compiled on first use with the machine's C++ compiler ($CXX, else c++, g++ or
 clang++) for this CPU (-march=native), against the FFI headers that ship with jaxlib, and kept
 in $JAXSERVE_CACHE_DIR/kernels (else ~/.cache/jaxserve/kernels) under a key of everything that
-went into it, so later starts only load it. Where no compiler works, `library()` returns why,
+went into it, so later starts only load it (processes that start together build it once: the
+others wait for that build). Where no compiler works, `library()` returns why,
 and the callers choose their jnp paths instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -83,7 +86,22 @@ def build(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
     if os.path.exists(lib):
         return lib
     os.makedirs(root, exist_ok=True)
-    # Built under a temporary name and renamed: processes starting together never load half.
+    # One build at a time per library: a process that finds another building it waits, then
+    # finds it built. The lock file goes once the library is in place (a process arriving
+    # later finds the library; one that opened the lock before waits on it all the same).
+    with open(lib + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not os.path.exists(lib):
+                _compile(cxx, flags, files, root, lib)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lib + ".lock")
+    return lib
+
+
+def _compile(cxx: str, flags: tuple[str, ...], files: list[str], root: str, lib: str) -> None:
+    # Built under a temporary name and renamed: a process never loads half a library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
     units = [p for p in files if p.endswith(".cc")]
@@ -94,7 +112,6 @@ def build(cxx: str, extra_flags: tuple[str, ...] = ()) -> str:
         raise RuntimeError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n"
                            f"{proc.stderr[-2000:]}")
     os.replace(tmp, lib)
-    return lib
 
 
 @functools.cache

@@ -21,6 +21,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=4").strip()
 
+# One OpenMP thread for torch (the HF oracle, Triton's interpreter) and numpy's BLAS: two
+# workers share two cores, and an OpenMP thread that spins waiting for a busy core slows a
+# greedy HF generate several times over (read when torch or numpy starts its thread pool).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from jaxserve.runtime import compile_cache  # noqa: E402
 
 # Many tests build engines over the same model; identical programs then come from the cache,

@@ -11,9 +11,12 @@ from tests.helpers import make_engine, run_all
 
 
 def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, max_num_seqs=6, max_num_batched_tokens=48,
-                         max_model_len=192, num_kv_blocks=40, strict_compile=True,
-                         token_buckets=None)  # the default buckets, from 1
+    # The default buckets, from 1: tokens 1, 2, 4, 6 (max_num_seqs), 8 and 16, sequences 1, 2,
+    # 4 and 6, blocks 4 and 8. Each is a program compiled at warmup, so the limits are small.
+    engine = make_engine(tiny_llama_dir, max_num_seqs=6, max_num_batched_tokens=16,
+                         max_model_len=128, num_kv_blocks=40, strict_compile=True,
+                         token_buckets=None)
+    assert engine.runner.buckets == ((1, 2, 4, 6, 8, 16), (1, 2, 4, 6), (4, 8))
     engine.warmup()
     compiled = engine.runner.num_compiles
     assert compiled == len(engine.runner.all_programs())
@@ -24,7 +27,7 @@ def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
     while pending or engine.has_unfinished_requests():
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            plen = int(rng.integers(1, 120))
+            plen = int(rng.integers(1, 88))  # prompt + output < max_model_len
             params = SamplingParams(temperature=float(rng.choice([0.0, 0.8])),
                                     max_tokens=int(rng.integers(1, 40)), seed=i, ignore_eos=True)
             engine.add_request(f"r{i}", prompt_token_ids=rng.integers(3, 500, plen).tolist(),
@@ -34,7 +37,7 @@ def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
         step += 1
     assert engine.runner.num_compiles == compiled
     for rec in engine.step_trace:
-        assert rec.num_prefill_tokens + rec.num_decode_tokens <= 48
+        assert rec.num_prefill_tokens + rec.num_decode_tokens <= 16
         assert len(rec.requests) <= 6
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

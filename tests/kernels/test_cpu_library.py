@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import functools
 import os
 import platform
@@ -33,16 +35,43 @@ x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                          reason="turns x86 instruction sets off")
 
 
-def test_built_once_and_loaded_after(tmp_path, monkeypatch):
+@pytest.fixture
+def small_sources(tmp_path, monkeypatch):
+    """build() over one small source file (the kernels' own take a while to compile, and
+    library() builds those for the tests that run them), into a cache of its own."""
+    src = tmp_path / "src" / "one.cc"
+    src.parent.mkdir()
+    src.write_text('extern "C" int one() { return 1; }\n')
+    monkeypatch.setattr(cpu_library, "sources", lambda: [str(src)])
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "kernels"
+
+
+def test_built_once_and_loaded_after(small_sources):
     """The library is keyed by what went into it: a second build finds it and compiles
     nothing."""
-    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
     cxx = cpu_library.compiler()
     lib = cpu_library.build(cxx)
-    assert os.path.dirname(lib) == str(tmp_path / "kernels")
+    assert os.path.dirname(lib) == str(small_sources)
     stamp = os.stat(lib).st_mtime_ns
     assert cpu_library.build(cxx) == lib and os.stat(lib).st_mtime_ns == stamp
-    assert os.listdir(tmp_path / "kernels") == [os.path.basename(lib)]  # no temporaries left
+    assert os.listdir(small_sources) == [os.path.basename(lib)]  # no temporaries left
+    assert ctypes.CDLL(lib).one() == 1
+
+
+def test_builds_started_together_compile_once(small_sources, tmp_path):
+    """Builds of one library that start together (the workers of a test run, the processes
+    of a server) compile it once: the others wait for it and find it built."""
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "cxx"  # the compiler, counting the compiles (not --version) and slowed
+    cxx.write_text(f'#!/bin/sh\ncase "$*" in *" -o "*) echo x >> {calls}; sleep 1;; esac\n'
+                   f'exec {cpu_library.compiler()} "$@"\n')
+    cxx.chmod(0o755)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        libs = list(pool.map(lambda _: cpu_library.build(str(cxx)), range(4)))
+    assert len(set(libs)) == 1 and ctypes.CDLL(libs[0]).one() == 1
+    assert calls.read_text() == "x\n"
+    assert os.listdir(small_sources) == [os.path.basename(libs[0])]
 
 
 def test_every_target_is_registered_and_every_source_is_shipped():
