@@ -10,6 +10,7 @@ import pytest
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.models.config import ModelConfig
 from jaxserve.runtime import sharding
+from jaxserve.runtime.step_inputs import Program
 from tests.helpers import buckets_from_8
 from tests.models.test_hf_equivalence import PROMPTS, run_staggered
 
@@ -133,7 +134,7 @@ def test_a_step_moves_activations_never_weights(tiny_models):
     engine = _engine(2, model=path, token_buckets=(16,), block_buckets=(4,), seq_buckets=(8,),
                      max_num_batched_tokens=16)
     cfg, r = engine.runner.model_config, engine.runner
-    text = r._lower((16, 8, 4, 0)).compile().as_text()
+    text = r._lower(Program(16, 8, 4)).compile().as_text()
     ops = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|all-gather)(?:-start)?\(", text)
     shapes = sorted((kind, dims) for _, dims, kind in ops)
     d, v = cfg.hidden_size, cfg.vocab_size
