@@ -14,9 +14,13 @@ from tests.helpers import buckets_from_8, run_all
 
 
 def _engine(path, **kw) -> LLMEngine:
-    args = dict(model=path, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
-                num_kv_blocks=128, log_stats_interval_s=0)
-    return LLMEngine(EngineConfig(**buckets_from_8(args | kw)))
+    """Two token buckets and one block width: every bucket is a program per proposal count
+    (and per pool size and draft) to compile, and the subject here is what speculation gives,
+    not the choice of buckets (test_engine and tests/runtime check those)."""
+    args = dict(model=path, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
+                num_kv_blocks=128, log_stats_interval_s=0, token_buckets=(8, 32),
+                block_buckets=(8,))
+    return LLMEngine(EngineConfig(**(args | kw)))
 
 
 def _spec_engine(path, method: str, **kw) -> LLMEngine:
@@ -193,7 +197,8 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
     waves, size = 32, 64
 
     def samples(**kw):
-        engine = _engine(path, max_num_seqs=size, max_num_batched_tokens=256, **kw)
+        engine = _engine(path, max_num_seqs=size, **buckets_from_8(dict(
+            max_num_batched_tokens=256)), **kw)
         got = []
         for w in range(waves):  # a wave at a time: no prompt waits for the budget
             for i in range(size):

@@ -4,8 +4,11 @@ executable cache when nothing that decides them changed, else through XLA's own 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+
+from jaxserve.kernels import cpu_library
 
 # A fresh process with no JAX cache configured: warm up a tiny engine, report how many programs
 # were built, how many came from JAX's cache (an event per hit) and how many loaded whole, and
@@ -33,8 +36,19 @@ print("tokens", ",".join(map(str, tokens)))
 """
 
 
-def run(tiny_llama_dir, cache_env: str, num_kv_blocks: int = 16) -> dict[str, str]:
+def run(tiny_llama_dir, cache_env: str, num_kv_blocks: int = 16,
+        tmp_dir: str | None = None) -> dict[str, str]:
     env = dict(os.environ, JAXSERVE_CACHE_DIR=cache_env)
+    # The CPU kernels, built once per machine, go where the process looks for them (its cache
+    # root's kernels/, or with caching off the temporary folder), so that it loads them rather
+    # than compiling a copy of its own: the subject here is the caches of the step programs.
+    if tmp_dir is not None:
+        env["TMPDIR"] = tmp_dir
+    if cpu_library.compiler():
+        lib = cpu_library.build(cpu_library.compiler(), cpu_library.isa_flags())
+        kernels = os.path.join(cache_env, "kernels") if cache_env else tmp_dir
+        os.makedirs(kernels, exist_ok=True)
+        shutil.copy(lib, kernels)
     proc = subprocess.run([sys.executable, "-c", SCRIPT, tiny_llama_dir, str(num_kv_blocks)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -66,6 +80,6 @@ def test_second_start_loads_programs_from_the_caches(tiny_llama_dir, tmp_path):
     assert "could not load" in again["stderr"] and again["tokens"] == first["tokens"]
     assert not entries[0].exists()
 
-def test_an_empty_cache_dir_turns_it_off(tiny_llama_dir):
-    got = run(tiny_llama_dir, "")
+def test_an_empty_cache_dir_turns_it_off(tiny_llama_dir, tmp_path):
+    got = run(tiny_llama_dir, "", tmp_dir=str(tmp_path))
     assert (got["dir"], got["loaded"]) == ("None", "0")

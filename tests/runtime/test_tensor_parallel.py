@@ -41,7 +41,8 @@ def _device_bytes(engine: LLMEngine) -> tuple[int, int]:
 
 
 # Each architecture once and each layer loop at least once: the loop and the architecture are
-# independent of the split (every pairing is checked against HF at tp 1 in test_hf_equivalence).
+# independent of the split (every pairing is checked against HF at tp 1 in
+# test_hf_equivalence_tiny).
 @pytest.mark.parametrize("arch, layer_loop", [("llama", "scan"), ("qwen2", "unroll"),
                                               ("mistral", "scan")])
 def test_tiny_models_give_the_same_tokens_at_tp_1_2_4(arch, layer_loop, tiny_models):
@@ -51,7 +52,10 @@ def test_tiny_models_give_the_same_tokens_at_tp_1_2_4(arch, layer_loop, tiny_mod
     prompts = [rng.integers(3, 1000, size=int(n)).tolist() for n in rng.integers(5, 70, 6)]
     got, size = {}, {}
     for tp in (1, 2, 4):
-        engine = _engine(tp, model=path, layer_loop=layer_loop)
+        # Two token buckets and one block width (prompts up to 86 tokens with their outputs):
+        # each is a program per size and layout.
+        engine = _engine(tp, model=path, layer_loop=layer_loop, max_model_len=128,
+                         token_buckets=(16, 64), block_buckets=(8,))
         got[tp] = _generate(engine, prompts)
         size[tp] = _device_bytes(engine)
     assert got[2] == got[1] and got[4] == got[1]
