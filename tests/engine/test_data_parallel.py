@@ -8,7 +8,6 @@ import pytest
 from jaxserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from jaxserve.engine import data_parallel
 from jaxserve.runtime import sharding
-from tests.helpers import buckets_from_8
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (forced) devices")
 
@@ -19,9 +18,11 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _config(**kw) -> EngineConfig:
-    args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=64,
-                log_stats_interval_s=0)
-    return EngineConfig(**buckets_from_8(args | kw))
+    # Two token buckets and one block width: every bucket is a program per replica's devices
+    # to compile, and the subject here is the replicas, not the buckets (tested elsewhere).
+    args = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=64,
+                log_stats_interval_s=0, token_buckets=(16, 64), block_buckets=(8,))
+    return EngineConfig(**(args | kw))
 
 
 def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
