@@ -7,7 +7,7 @@ import pytest
 
 from jaxserve import EngineConfig, SamplingParams
 from jaxserve.runtime.runner import RecompileError
-from tests.helpers import make_engine, run_all
+from tests.helpers import buckets_from_8, make_engine, run_all
 
 
 def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
@@ -208,13 +208,14 @@ def test_logprobs_are_consistent(tiny_llama_dir):
 def test_llm_generate_is_all_or_nothing_on_bad_input(tiny_llama_dir):
     from jaxserve import LLM
 
-    llm = LLM(tiny_llama_dir, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-              num_kv_blocks=32)
+    # make_engine's configuration: its programs, compiled by the tests above, serve this one
+    llm = LLM(tiny_llama_dir, **buckets_from_8(dict(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=128)))
     good = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with pytest.raises(ValueError, match="prompt 1: .*temperature"):
         llm.generate([[5, 6], [7, 8]], [good, SamplingParams(temperature=-1)], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.block_manager.num_free_blocks == 32
+    assert llm.engine.block_manager.num_free_blocks == 128
     outs = llm.generate([[5, 6], [7, 8]], good, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
 

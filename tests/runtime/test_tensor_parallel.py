@@ -102,9 +102,11 @@ def test_default_model_same_tokens_at_tp(smollm, tp, caplog):
 def test_every_backend_runs_per_device_and_nothing_compiles_after_warmup(backend, tiny_models):
     path, _ = tiny_models["llama"]
     prompts = [[5 + i, 17, 3 * i + 1, 40] * (i + 2) for i in range(4)]
-    want = _generate(_engine(1, model=path, attention_backend=backend), prompts)
-    engine = _engine(2, model=path, attention_backend=backend, strict_compile=True,
-                     token_buckets=(16, 64), block_buckets=(4, 16))
+    # one set of buckets for both sizes: each bucket is a program per size to compile
+    kw = dict(model=path, attention_backend=backend, max_model_len=128, token_buckets=(16, 64),
+              block_buckets=(4, 8))
+    want = _generate(_engine(1, **kw), prompts)
+    engine = _engine(2, strict_compile=True, **kw)
     engine.warmup()
     compiles = engine.runner.num_compiles
     assert _generate(engine, prompts) == want
@@ -119,7 +121,9 @@ def test_host_copies_keep_the_pool_split(mode, tiny_models):
     path, _ = tiny_models["llama"]
     shared = [(11 * j) % 900 + 3 for j in range(40)]
     prompts = [shared + [7 + i] * (i + 1) for i in range(6)]
-    kw = dict(model=path, num_kv_blocks=10, max_num_batched_tokens=32, preemption_mode=mode)
+    # prompts and outputs of up to 62 tokens: one block width at max_model_len 64
+    kw = dict(model=path, num_kv_blocks=10, max_num_batched_tokens=32, max_model_len=64,
+              token_buckets=(16, 32), preemption_mode=mode)
     want = _generate(_engine(1, **kw), prompts)
     engine = _engine(2, **kw)
     assert _generate(engine, prompts) == want
