@@ -92,10 +92,10 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
-    def stop_ids(self, eos_token_ids) -> list[int]:
+    def stop_ids(self, eos_token_ids) -> tuple[int, ...]:
         """The token ids that end the request: its stop_token_ids, and EOS unless ignore_eos."""
-        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos
-                                                  else set(eos_token_ids)))
+        return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos
+                                                        else set(eos_token_ids))))
 
     @property
     def needs_history(self) -> bool:

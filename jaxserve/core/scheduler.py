@@ -348,14 +348,17 @@ class Scheduler:
                            for s in out.scheduled)):
             return
         cfg, bm = self.config, self.block_manager
+        k, max_len, block_size = cfg.decode_steps, cfg.max_model_len, bm.block_size
         longest = 1
-        for s in out.scheduled:
+        for s in out.scheduled:  # the hot path of a loaded server: a new block now and then
             seq = s.seq
-            n = max(1, min(cfg.decode_steps, seq.params.max_tokens - seq.num_sampled,
-                           cfg.max_model_len - seq.num_tokens))
-            if not bm.can_allocate(seq, s.start + n):
-                n = min(n, (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - s.start)
-            self._allocate(seq, s.start + n, out)
+            n = max(1, min(k, seq.params.max_tokens - seq.num_sampled,
+                           max_len - seq.num_tokens))
+            room = len(seq.block_table) * block_size - s.start
+            if n > room:
+                if not bm.can_allocate(seq, s.start + n):
+                    n = min(n, room + bm.num_free_blocks * block_size)
+                self._allocate(seq, s.start + n, out)
             s.num_steps = n
             longest = max(longest, n)
         if longest > 1:

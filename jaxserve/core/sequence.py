@@ -69,7 +69,7 @@ class Sequence:
         self.logits_state = None
         # The token ids that end it (SamplingParams.stop_ids, set by the engine, which knows
         # EOS): a step of several decode steps checks them on the device.
-        self.stop_ids: list[int] = []
+        self.stop_ids: tuple[int, ...] = ()
         # A sibling (parallel sampling, n > 1) whose prompt this one reads from the prefix
         # cache: it is admitted once that sibling's prompt is computed.
         self.waits_for: Sequence | None = None

@@ -48,10 +48,14 @@ StepFn = Callable[[KVCache, jax.Array, AttentionMetadata, SamplingInputs, Logits
 def build(scheduled: list[ScheduledSeq], s_pad: int, num_steps: int) -> DecodeLoopInputs:
     """The loop's inputs for a step of decodes (each with its num_steps and stop ids)."""
     limit = np.zeros(s_pad, np.int32)
+    limit[:len(scheduled)] = [s.num_steps for s in scheduled]
     stop_ids = np.full((s_pad, MAX_LOOP_STOP_IDS), -1, np.int32)
+    rows: dict[tuple[int, ...], list[int]] = {}  # most rows share a few lists (EOS alone)
     for i, s in enumerate(scheduled):
-        limit[i] = s.num_steps
-        stop_ids[i, :len(s.seq.stop_ids)] = s.seq.stop_ids
+        rows.setdefault(s.seq.stop_ids, []).append(i)
+    for ids, where in rows.items():
+        if ids:
+            stop_ids[where, :len(ids)] = ids
     return DecodeLoopInputs(limit, stop_ids, num_steps)
 
 
