@@ -25,6 +25,20 @@ def test_max_num_seqs_defaults_per_platform_within_the_budget():
         EngineConfig(max_num_seqs=0)
 
 
+def test_decode_steps_default_per_platform_and_one_under_speculation():
+    cfg = EngineConfig()
+    with pytest.raises(ValueError, match="decode_steps"):
+        _ = cfg.decode_loop_steps
+    assert cfg.on_platform("cpu").decode_steps == 1
+    assert cfg.on_platform("gpu").scheduler_config().decode_steps == 8
+    assert EngineConfig(decode_steps=4).on_platform("cpu").decode_loop_steps == 4
+    spec = EngineConfig(decode_steps=4, speculative_method="ngram").on_platform("gpu")
+    assert spec.decode_loop_steps == 1
+    for bad in (0, 65, 2.0):
+        with pytest.raises(ValueError, match="decode_steps"):
+            EngineConfig(decode_steps=bad)
+
+
 def test_strings_become_enums_and_bad_names_are_refused():
     cfg = EngineConfig(scheduling_policy="priority", preemption_mode="swap",
                        attention_backend="reference")
