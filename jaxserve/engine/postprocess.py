@@ -65,7 +65,7 @@ class Postprocessor:
         its prompt's end). Sequences that finished meanwhile (a stop in the step before, an
         abort) are skipped: what was computed for them is dropped."""
         updates = []
-        append = self._append
+        append, extend = self._append, self._extend
         for i, s in enumerate(scheduled):
             row = tokens[i]
             if not row:
@@ -76,11 +76,15 @@ class Postprocessor:
             update = SeqUpdate(seq, [], "", False)
             try:
                 scored = logprobs is not None and seq.logprobs is not None
-                for j, token in enumerate(row):
-                    entry = logprobs(i, j, seq.params.logprobs) if scored else None
-                    append(seq, int(token), now, entry, update)
-                    if update.finished:
-                        break  # tokens after a stop are dropped
+                if (len(row) == 1 or scored or seq.logits_state is not None
+                        or seq.params.stop):
+                    for j, token in enumerate(row):
+                        entry = logprobs(i, j, seq.params.logprobs) if scored else None
+                        append(seq, int(token), now, entry, update)
+                        if update.finished:
+                            break  # tokens after a stop are dropped
+                else:
+                    extend(seq, row, now, update)
                 if s.drafts and not update.finished:
                     # K/V is right up to its last accepted proposal; the slots after it are
                     # written again, and blocks past its tokens go back
@@ -94,6 +98,50 @@ class Postprocessor:
                 update.error = f"{type(e).__name__}: {e}"
             updates.append(update)
         return updates
+
+    def _extend(self, seq: Sequence, row: Seq[int], now: float, update: SeqUpdate) -> None:
+        """A row of several tokens for a sequence that asks for nothing token by token (no
+        logprobs, grammar or stop strings): _append's rules with the length limit found once
+        and one scan for a stop id, the row's tokens appended and detokenized together."""
+        p, out = seq.params, seq.output_token_ids
+        # the row index of the token that reaches max_tokens or max_model_len
+        last = max(min(p.max_tokens, self.max_model_len - len(seq.prompt_token_ids))
+                   - len(out) - 1, 0)
+        end, reason, stop_reason, text_end = len(row), None, None, len(row)
+        if last < end:
+            end = text_end = last + 1
+            reason = "length"
+        eos = () if p.ignore_eos else self.eos_token_ids
+        stop_ids = p.stop_token_ids
+        for j in range(end):
+            token = row[j]
+            if token in eos:  # ends the text without being part of it
+                end, text_end, reason, stop_reason = j + 1, j, "stop", None
+                break
+            if stop_ids and token in stop_ids:
+                end = text_end = j + 1
+                reason, stop_reason = "stop", token
+                break
+        tokens = list(row[:end])
+        out.extend(tokens)
+        taken = min(seq.num_pending, end)  # they take the place of pending tokens
+        seq.num_pending -= taken
+        seq.num_tokens += end - taken
+        seq.metrics.token_times.extend([now] * end)
+        update.new_token_ids.extend(tokens)
+        detok = seq.detok
+        if detok is not None and text_end:
+            add = detok.add
+            new_text = add(tokens[0]) if text_end == 1 else "".join(
+                [add(t) for t in tokens[:text_end]])
+            if new_text:
+                seq.text += new_text
+                update.new_text += new_text
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            seq.metrics.finished_time = now
+            self.scheduler.finish(seq, reason)
+            update.finished = True
 
     def _append(self, seq: Sequence, token: int, now: float, logprob: dict | None,
                 update: SeqUpdate) -> None:

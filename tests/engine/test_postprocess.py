@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxserve import SamplingParams
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.sequence import Sequence
-from jaxserve.engine.postprocess import Postprocessor
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 
 
 def setup(**params):
@@ -39,3 +42,37 @@ def test_length_eos_and_rows_without_tokens():
     sched, seq, post = setup(max_tokens=5, ignore_eos=True)
     (u,) = post.apply(sched.schedule().scheduled, [[2]], now=0.0)
     assert not u.finished
+
+
+def test_rows_taken_whole_match_token_by_token(smollm):
+    """A row of several tokens without per-token asks (Postprocessor._extend) ends exactly as
+    the rules applied token by token (_append) do: tokens kept, text, stop reason, counts."""
+    decoder = TokenDecoder(smollm.tokenizer)
+    rng = np.random.default_rng(0)
+    words = smollm.tokenizer.encode("Hé, ça marche? 東京 🚀 done.", add_special_tokens=False)
+    eos = frozenset({2, int(words[-2])})  # one with text of its own, which EOS never adds
+    for case in range(300):
+        params = dict(max_tokens=int(rng.integers(1, 12)), ignore_eos=bool(rng.random() < 0.3),
+                      stop_token_ids=[int(words[1])] if rng.random() < 0.3 else None)
+        row = [int(t) for t in rng.choice([*words, 2], size=int(rng.integers(1, 9)))]
+        pending = int(rng.integers(0, len(row) + 1))
+        ends = []
+        for whole in (True, False):
+            sched, seq, post = setup(**params)
+            post.eos_token_ids = eos
+            sched.schedule()
+            seq.add_pending(pending)
+            seq.detok = IncrementalDetokenizer(decoder, seq.prompt_token_ids)
+            update = SeqUpdate(seq, [], "", False)
+            if whole:
+                post._extend(seq, row, 1.0, update)
+            else:
+                for token in row:
+                    post._append(seq, token, 1.0, None, update)
+                    if update.finished:
+                        break
+            ends.append((update.new_token_ids, update.new_text, update.finished,
+                         seq.output_token_ids, seq.text, seq.finish_reason,
+                         seq.stop_reason, seq.num_tokens, seq.num_pending,
+                         seq.metrics.token_times, sched.block_manager.num_free_blocks))
+        assert ends[0] == ends[1], (case, params, row, pending)
