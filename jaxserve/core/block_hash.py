@@ -35,10 +35,11 @@ def hash_block(parent: BlockHash | None, token_ids, salt: str | None = None) -> 
 
 
 def extend_hashes(hashes: list[BlockHash], tokens, block_size: int,
-                  salt: str | None = None) -> list[BlockHash]:
-    """Append to `hashes` (the names of `tokens`' first len(hashes) blocks) the names of every
-    further full block of `tokens`; returns `hashes`."""
-    for i in range(len(hashes), len(tokens) // block_size):
+                  salt: str | None = None, first: int = 0) -> list[BlockHash]:
+    """Append to `hashes` (the names of a sequence's first len(hashes) blocks) the names of
+    every further full block of `tokens`, the sequence's tokens from block `first` on
+    (first <= len(hashes)); returns `hashes`."""
+    for i in range(len(hashes) - first, len(tokens) // block_size):
         parent = hashes[-1] if hashes else None
         hashes.append(hash_block(parent, tokens[i * block_size:(i + 1) * block_size], salt))
     return hashes

@@ -212,9 +212,11 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """The names of `seq`'s first `num_blocks` full blocks (more if known), kept on the
         sequence so each is hashed once."""
-        if len(seq.block_hashes) < num_blocks:
-            end = num_blocks * self.block_size
-            extend_hashes(seq.block_hashes, seq.tokens(0, end), self.block_size, seq.cache_salt)
+        known = len(seq.block_hashes)
+        if known < num_blocks:  # only the new blocks' tokens are read
+            bs = self.block_size
+            extend_hashes(seq.block_hashes, seq.tokens(known * bs, num_blocks * bs), bs,
+                          seq.cache_salt, known)
         return seq.block_hashes
 
     # ---------------------------------------------------------------------------- integrity

@@ -129,7 +129,7 @@ def _runs_ahead(s: ScheduledSeq, plain_only: bool) -> bool:
     return (not s.is_prefill and not s.drafts and p.structured_outputs is None
             and not p.bad_words and seq.num_sampled >= p.min_tokens
             and len(seq.stop_ids) <= MAX_LOOP_STOP_IDS
-            and (not plain_only or p.samples_plainly))
+            and (not plain_only or seq.samples_plainly))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,7 +149,7 @@ def prompt_rows(scheduled: list[ScheduledSeq]) -> list[PromptRows]:
     rows, row = [], 0
     for s in scheduled:
         seq = s.seq
-        if seq.needs_prompt_logprobs:
+        if seq.prompt_logprobs is not None and seq.needs_prompt_logprobs:
             first = max(seq.prompt_logprobs_next, s.start + 1)
             end = min(s.start + s.num_tokens + 1, len(seq.prompt_token_ids))
             if end > first:

@@ -179,7 +179,7 @@ def build_step_inputs(
                  if s.samples and s.seq.logits_state is not None]
     processing = logits_processing.build(processed, logits_shape, s_pad)
     plain = (plain_programs and spec_k == 0 and not (prompt_targets >= 0).any()
-             and all(s.seq.params.samples_plainly for s in scheduled if s.samples))
+             and all(s.seq.samples_plainly for s in scheduled if s.samples))
 
     return StepInputs(
         input_ids=input_ids,

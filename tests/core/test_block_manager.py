@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve.core.block_hash import extend_hashes
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sequence import Sequence
@@ -133,3 +134,13 @@ def test_random_traffic_keeps_counts_exact_and_cached_contents_true(ops):
         elif op == "free" and live:
             bm.free(live.pop(sorted(live)[k % len(live)]))
         bm.check_integrity(list(live.values()))
+
+
+def test_block_names_extended_from_an_offset_equal_those_named_at_once():
+    tokens = list(range(100, 171))  # four full blocks of 16 and a partial one
+    whole = extend_hashes([], tokens, 16, "salt")
+    assert len(whole) == 4
+    part = extend_hashes([], tokens[:40], 16, "salt")  # two blocks
+    assert extend_hashes(part, tokens[32:], 16, "salt", first=2) == whole
+    assert extend_hashes(whole[:1], tokens[16:], 16, "salt", first=1) == whole
+    assert extend_hashes([], tokens, 16) != whole  # the salt is part of every name
