@@ -22,6 +22,7 @@ MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit); the step holds this many per r
 MAX_BAD_WORDS = 64
 MAX_N = 64  # parallel samples of one prompt
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+OUTPUT_KINDS = ("cumulative", "final_only")  # SamplingParams.output_kind
 
 
 def _is_int(v) -> bool:
@@ -75,6 +76,10 @@ class SamplingParams:
     # One of {"json": schema (dict or string)}, {"json_object": true}, {"regex": str},
     # {"choice": [str, ...]}, {"grammar": Lark/EBNF str}: every output matches it.
     structured_outputs: dict[str, Any] | None = None
+    # "cumulative": an output at every step that moves the request, holding all of it so far;
+    # "final_only": only the finished one (what LLM.generate and a request that does not
+    # stream want: the engine builds and delivers nothing per step).
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -190,6 +195,9 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+                             f"{_clip(self.output_kind)}")
         so = self.structured_outputs
         if so is not None and (not isinstance(so, dict) or len(so) != 1
                                or next(iter(so)) not in STRUCTURED_KINDS):

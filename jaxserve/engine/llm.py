@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -60,6 +61,9 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        # only the finished outputs are returned: the engine need not build the others
+        sampling_params = [dataclasses.replace(p, output_kind="final_only")
+                           if isinstance(p, SamplingParams) else p for p in sampling_params]
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")

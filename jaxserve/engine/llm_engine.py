@@ -376,6 +376,8 @@ class LLMEngine:
                 i, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
                 s.logprobs, updated=False) for i, s in enumerate(seqs)]
             finished = all(s.is_finished for s in seqs)
+            if not finished and seqs[0].params.output_kind == "final_only":
+                continue
             prompt = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
             result.append(RequestOutput(rid, prompt, seqs[0].prompt_token_ids, outs, finished,
                                         seqs[0].metrics, _prompt_logprobs(seqs)))
@@ -515,6 +517,8 @@ class LLMEngine:
                 if u.finished:
                     self.metrics.record_finished(u.seq)
                     self.requests.pop(u.seq.request_id, None)
+                elif u.seq.params.output_kind == "final_only":
+                    continue
                 outputs.append(self._output(u))
         prefill = sum(s.num_tokens for s in scheduled if s.is_prefill)
         if self.speculator is not None:

@@ -50,6 +50,7 @@ def test_from_dict_can_ignore_other_keys():
     ("top_k", 2**31), ("top_k", -2), ("max_tokens", 0), ("max_tokens", 2**31),
     ("seed", 2**64), ("seed", -1), ("logprobs", 21), ("stop", ["x"] * 17), ("stop", ["x" * 257]),
     ("stop_token_ids", [2**31]), ("stop_token_ids", [-1]), ("stop_token_ids", list(range(1025))),
+    ("output_kind", "delta"), ("output_kind", None),
 ])
 def test_validate_refuses_out_of_range_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):

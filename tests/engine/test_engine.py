@@ -167,6 +167,28 @@ def test_duplicate_request_id_is_refused(tiny_llama_dir):
     assert done["same"].prompt_token_ids == [5, 6]
 
 
+def test_final_only_requests_get_one_output_and_the_same_tokens(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    prompt = [5, 17, 3, 40, 9]
+    for kind in ("cumulative", "final_only"):
+        for n in (1, 3):
+            p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=n,
+                               output_kind=kind)
+            engine.add_request(f"{kind}-{n}", prompt_token_ids=prompt, params=p)
+    seen: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    for n in (1, 3):
+        assert len(seen[f"cumulative-{n}"]) >= 6  # an output per step of tokens
+        (only,) = seen[f"final_only-{n}"]
+        assert only.finished and len(only.outputs) == n
+        want = seen[f"cumulative-{n}"][-1]
+        assert ([c.token_ids for c in only.outputs] == [c.token_ids for c in want.outputs]
+                and [c.text for c in only.outputs] == [c.text for c in want.outputs])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_stop_token_ids_and_eos(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     engine.add_request("free", prompt_token_ids=[5, 6, 7],
