@@ -27,6 +27,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from jaxserve.runtime import compile_cache  # noqa: E402
+from jaxserve.testing.tiny import write_tiny_llama  # noqa: E402
 
 # Many tests build engines over the same model; identical programs then come from the cache,
 # kept apart from the user's own cache.
@@ -66,41 +67,15 @@ def tiny_models(tmp_path_factory):
     return out
 
 
-def _write_tiny_llama(d, vocab_size: int, seed: int) -> str:
-    """A tiny random Llama as a Hugging Face directory, written from numpy (no torch)."""
-    import json
-
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    from jaxserve.models.config import ModelConfig
-    from jaxserve.models.loader import expected_hf_shapes
-
-    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=vocab_size, hidden_size=64,
-              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-              rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
-    (d / "config.json").write_text(json.dumps(hf))
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, shape in expected_hf_shapes(ModelConfig.from_hf(hf)).items():
-        if name.endswith("norm.weight"):
-            tensors[name] = np.ones(shape, np.float32)
-        else:
-            tensors[name] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-    save_file(tensors, str(d / "model.safetensors"))
-    return str(d)
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny Llama written without needing torch at test time (safetensors from numpy)."""
-    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-np"), 512, seed=0)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-np"), 512, seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_draft_for_smollm(tmp_path_factory, smollm):
     """A tiny random Llama with the default model's vocabulary: a draft model that proposes
     badly (speculative decoding must still give the target's tokens)."""
-    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), smollm.config.vocab_size,
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), smollm.config.vocab_size,
                              seed=1)

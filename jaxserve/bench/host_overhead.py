@@ -2,7 +2,7 @@
 
     python scripts/bench_scheduler.py [--running 64 256 1024] [--steps 200] [--async]
                                       [--device-ms 0] [--decode-steps 1 8]
-                                      [--workload mixed|decode]
+                                      [--workload mixed|decode] [--tiny]
 
 Runs LLMEngine (schedule, input build, launch, postprocess with detokenization, the outputs
 to the caller) with the default model's config and tokenizer, but with ZeroCostRunner in place
@@ -13,6 +13,7 @@ p99 per step, the host's time per token and the tokens/s. "step" is engine.step(
 requests added before it, timed in a pass of its own without the per-part timers; the parts are
 timed in a second pass over the same workload. With `--decode-steps` above 1 a step where every
 sequence decodes runs that many decode steps in one call (EngineConfig.decode_steps).
+`--tiny` times the whole engine instead, its model a tiny random Llama (bench_tiny).
 """
 
 from __future__ import annotations
@@ -219,6 +220,38 @@ def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
             "p99": {k: ms(v, 99) for k, v in parts.items()}}
 
 
+def bench_tiny(num_requests: int = 256, max_tokens: int = 64, async_scheduling: bool = False,
+               decode_steps: int = 1, warm_runs: int = 2, tokenizer=None) -> dict:
+    """The whole engine, model included, where the model costs little: LLM.generate on the
+    tiny random Llama (jaxserve/testing/tiny.py) with the default model's tokenizer,
+    `num_requests` prompts of 16-63 random tokens, greedy, `max_tokens` each (ignore_eos), at
+    max_num_seqs = num_requests. `warm_runs` untimed, then one timed: {"ms_per_step",
+    "tok_s", "steps"}. `tokenizer`: the default model's, if loaded already."""
+    import tempfile
+
+    from jaxserve.engine.llm import LLM
+    from jaxserve.models.loader import load_model
+    from jaxserve.testing.tiny import write_tiny_llama
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, int(n)).tolist() for n in rng.integers(16, 64, num_requests)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny_llama(d, 512)
+        (tokenizer or load_model().tokenizer).save_pretrained(d)
+        llm = LLM(model=d, max_num_seqs=num_requests, max_model_len=256,
+                  async_scheduling=async_scheduling, decode_steps=decode_steps)
+    for _ in range(warm_runs):
+        llm.generate(prompts, params, use_tqdm=False)
+    steps = llm.engine.metrics.num_steps
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    steps = llm.engine.metrics.num_steps - steps
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"ms_per_step": elapsed / steps * 1e3, "tok_s": tokens / elapsed, "steps": steps}
+
+
 def format_table(results: list[dict]) -> str:
     head = f"{'ms per step':<12}" + "".join(f"{r['running']:>9} p50 {'p99':>7}"
                                              for r in results)
@@ -252,7 +285,16 @@ def main() -> None:
     ap.add_argument("--workload", choices=WORKLOADS, default="mixed",
                     help="mixed: prompt chunks keep joining the decodes; decode: every step "
                          "decodes alone, once the prompts are in")
+    ap.add_argument("--tiny", action="store_true",
+                    help="instead: the real engine and model on a tiny random Llama, 256 "
+                         "requests x 64 greedy tokens (LLM.generate), ms per step and tok/s")
     args = ap.parse_args()
+    if args.tiny:
+        for k in args.decode_steps:
+            r = bench_tiny(async_scheduling=args.async_scheduling, decode_steps=k)
+            print(f"tiny model, decode_steps {k}: {r['ms_per_step']:.3f} ms per step "
+                  f"({r['steps']} steps), {r['tok_s']:.0f} tok/s")
+        return
     loaded = load_model()  # only its config and tokenizer are used
     for k in args.decode_steps:
         results = [bench(n, args.steps, loaded, args.async_scheduling, args.device_ms,

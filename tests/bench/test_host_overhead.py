@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.bench.host_overhead import PARTS, bench, make_engine
+from jaxserve.bench.host_overhead import PARTS, bench, bench_tiny, make_engine
 from jaxserve.core.sampling_params import SamplingParams
 from tests.helpers import run_all
 
@@ -32,7 +32,6 @@ def test_bench_times_every_part(smollm):
     assert r["p50"]["detokenize"] <= r["p50"]["postprocess"]
 
 
-
 def test_zero_cost_runner_runs_several_decode_steps_per_call(smollm):
     """A step of several decode steps stops each row where the host would, as the real
     runner's loop does: the same outputs as one decode step per call."""
@@ -41,3 +40,9 @@ def test_zero_cost_runner_runs_several_decode_steps_per_call(smollm):
     assert _run(smollm, True, decode_steps=4) == want
     r = bench(8, 4, smollm, warm_steps=2, decode_steps=4, workload="decode")
     assert r["tokens_per_step"] == 8 * 4 and r["us_per_token"] > 0
+
+
+def test_tiny_model_runs_the_whole_engine(smollm):
+    r = bench_tiny(num_requests=8, max_tokens=5, warm_runs=0, tokenizer=smollm.tokenizer)
+    # 8 prompts in one step (under the budget), then a step per further token
+    assert r["steps"] == 5 and r["tok_s"] > 0 and r["ms_per_step"] > 0
