@@ -2,8 +2,8 @@
 
 Requests enter from any asyncio task (any number of connections) through a thread-safe command
 queue; the engine thread applies commands between steps, so the engine itself is never touched
-by two threads. Outputs go back per request through `loop.call_soon_threadsafe` into a bounded
-asyncio queue. The engine thread never blocks on a consumer: when a request's queue is full (its
+by two threads. Outputs go back through one `loop.call_soon_threadsafe` per step and event loop,
+each into its request's bounded asyncio queue. The engine thread never blocks on a consumer: when a request's queue is full (its
 client stopped reading), the request is marked overflowed and aborted.
 """
 
@@ -73,6 +73,11 @@ class RequestStream:
                                  f"were waiting for the client")
         self.finished = out.finished
         return out
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._put(out)
 
 
 class AsyncEngine:
@@ -184,13 +189,16 @@ class AsyncEngine:
             raise
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = (self._streams.pop(out.request_id, None) if out.finished
                       else self._streams.get(out.request_id))
             if stream is not None:
                 if stream.orphaned:
                     self.tokens_after_disconnect += len(out.outputs[0].new_token_ids)
-                stream.loop.call_soon_threadsafe(stream._put, out)
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():  # one wakeup of each loop per step
+            loop.call_soon_threadsafe(_put_all, items)
         if self.on_step is not None:
             try:
                 self.on_step(self.engine, outputs)
