@@ -21,7 +21,7 @@ _SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2"
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (as byte-level BPE uses)."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
                  + list(range(ord("®"), ord("ÿ") + 1)))
@@ -45,7 +45,7 @@ def build_tokenizer(meta: dict[str, Any]):
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer type {kind!r} is not byte-level BPE")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     letters = set(alphabet.values())
     # Tokens are stored already spelled in the byte alphabet; respell any that are not.
     spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode()) for t in tokens]
