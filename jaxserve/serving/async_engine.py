@@ -3,8 +3,9 @@
 Requests enter from any asyncio task (any number of connections) through a thread-safe command
 queue; the engine thread applies commands between steps, so the engine itself is never touched
 by two threads. Outputs go back through one `loop.call_soon_threadsafe` per step and event loop,
-each into its request's bounded asyncio queue. The engine thread never blocks on a consumer: when a request's queue is full (its
-client stopped reading), the request is marked overflowed and aborted.
+each into its request's bounded asyncio queue. The engine thread never blocks on a consumer:
+when a request's queue is full (its client stopped reading), the request is marked overflowed
+and aborted.
 """
 
 from __future__ import annotations
