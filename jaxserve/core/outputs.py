@@ -60,7 +60,10 @@ class RequestMetrics:
 class CompletionOutput:
     index: int
     text: str  # all text so far (stop strings trimmed)
-    token_ids: list[int]  # all generated token ids so far
+    # The generated token ids, of which the first `num_token_ids` (None: all) are this
+    # output's: the engine passes the sequence's own growing list instead of a copy at every
+    # step. Read them as `token_ids`.
+    all_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     # Per token: {"logprob": float, "top": {token_id: logprob}} when logprobs were requested.
@@ -70,6 +73,13 @@ class CompletionOutput:
     # False for a sample of an n > 1 request that did not move in this step (its state is
     # repeated so every output carries all n; streams skip it)
     updated: bool = True
+    num_token_ids: int | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All generated token ids up to this output."""
+        n = self.num_token_ids
+        return self.all_token_ids if n is None else self.all_token_ids[:n]
 
 
 @dataclasses.dataclass(slots=True)

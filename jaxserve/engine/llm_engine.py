@@ -373,8 +373,9 @@ class LLMEngine:
         for rid, comps in moved.items():
             seqs = self._groups[rid]
             outs = [dataclasses.replace(comps[i], index=i) if i in comps else CompletionOutput(
-                i, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
-                s.logprobs, updated=False) for i, s in enumerate(seqs)]
+                i, s.text, s.output_token_ids, s.finish_reason, s.stop_reason, s.logprobs,
+                updated=False, num_token_ids=len(s.output_token_ids))
+                for i, s in enumerate(seqs)]
             finished = all(s.is_finished for s in seqs)
             if not finished and seqs[0].params.output_kind == "final_only":
                 continue
@@ -586,8 +587,9 @@ class LLMEngine:
 
     def _output(self, u: SeqUpdate) -> RequestOutput:
         seq = u.seq
-        comp = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
-                                seq.stop_reason, seq.logprobs, u.new_text, u.new_token_ids)
+        ids = seq.output_token_ids
+        comp = CompletionOutput(0, seq.text, ids, seq.finish_reason, seq.stop_reason,
+                                seq.logprobs, u.new_text, u.new_token_ids, True, len(ids))
         prompt = (self._prompts.pop(seq.request_id, None) if seq.is_finished
                   else self._prompts.get(seq.request_id))
         return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [comp],
