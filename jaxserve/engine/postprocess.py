@@ -65,7 +65,7 @@ class Postprocessor:
         its prompt's end). Sequences that finished meanwhile (a stop in the step before, an
         abort) are skipped: what was computed for them is dropped."""
         updates = []
-        append, extend = self._append, self._extend
+        append, append_one, extend = self._append, self._append_one, self._extend
         for i, s in enumerate(scheduled):
             row = tokens[i]
             if not row:
@@ -76,13 +76,14 @@ class Postprocessor:
             update = SeqUpdate(seq, [], "", False)
             try:
                 scored = logprobs is not None and seq.logprobs is not None
-                if (len(row) == 1 or scored or seq.logits_state is not None
-                        or seq.params.stop):
+                if scored or seq.logits_state is not None or seq.params.stop:
                     for j, token in enumerate(row):
                         entry = logprobs(i, j, seq.params.logprobs) if scored else None
                         append(seq, int(token), now, entry, update)
                         if update.finished:
                             break  # tokens after a stop are dropped
+                elif len(row) == 1:
+                    append_one(seq, row[0], now, update)
                 else:
                     extend(seq, row, now, update)
                 if s.drafts and not update.finished:
@@ -98,6 +99,36 @@ class Postprocessor:
                 update.error = f"{type(e).__name__}: {e}"
             updates.append(update)
         return updates
+
+    def _append_one(self, seq: Sequence, token: int, now: float, update: SeqUpdate) -> None:
+        """_append for a sequence that asks for nothing token by token (no logprobs, grammar
+        or stop strings): its rules without the checks those need."""
+        p, out = seq.params, seq.output_token_ids
+        out.append(token)
+        if seq.num_pending:
+            seq.num_pending -= 1
+        else:
+            seq.num_tokens += 1
+        seq.metrics.token_times.append(now)
+        update.new_token_ids.append(token)
+        if token in self.eos_token_ids and not p.ignore_eos:
+            reason, stop_reason = "stop", None
+        else:
+            detok = seq.detok
+            if detok is not None and (text := detok.add(token)):
+                seq.text += text
+                update.new_text += text
+            if p.stop_token_ids and token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif (len(out) >= p.max_tokens
+                  or len(seq.prompt_token_ids) + len(out) >= self.max_model_len):
+                reason, stop_reason = "length", None
+            else:
+                return
+        seq.stop_reason = stop_reason
+        seq.metrics.finished_time = now
+        self.scheduler.finish(seq, reason)
+        update.finished = True
 
     def _extend(self, seq: Sequence, row: Seq[int], now: float, update: SeqUpdate) -> None:
         """A row of several tokens for a sequence that asks for nothing token by token (no

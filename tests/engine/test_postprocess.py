@@ -45,8 +45,9 @@ def test_length_eos_and_rows_without_tokens():
 
 
 def test_rows_taken_whole_match_token_by_token(smollm):
-    """A row of several tokens without per-token asks (Postprocessor._extend) ends exactly as
-    the rules applied token by token (_append) do: tokens kept, text, stop reason, counts."""
+    """A row without per-token asks, taken whole (Postprocessor._extend) or, of one token,
+    by _append_one, ends exactly as the rules applied token by token (_append) do: tokens
+    kept, text, stop reason, counts."""
     decoder = TokenDecoder(smollm.tokenizer)
     rng = np.random.default_rng(0)
     words = smollm.tokenizer.encode("Hé, ça marche? 東京 🚀 done.", add_special_tokens=False)
@@ -54,18 +55,21 @@ def test_rows_taken_whole_match_token_by_token(smollm):
     for case in range(300):
         params = dict(max_tokens=int(rng.integers(1, 12)), ignore_eos=bool(rng.random() < 0.3),
                       stop_token_ids=[int(words[1])] if rng.random() < 0.3 else None)
-        row = [int(t) for t in rng.choice([*words, 2], size=int(rng.integers(1, 9)))]
+        size = 1 if rng.random() < 0.4 else int(rng.integers(2, 9))
+        row = [int(t) for t in rng.choice([*words, 2], size=size)]
         pending = int(rng.integers(0, len(row) + 1))
         ends = []
-        for whole in (True, False):
+        for way in ("append", "extend", "one") if len(row) == 1 else ("append", "extend"):
             sched, seq, post = setup(**params)
             post.eos_token_ids = eos
             sched.schedule()
             seq.add_pending(pending)
             seq.detok = IncrementalDetokenizer(decoder, seq.prompt_token_ids)
             update = SeqUpdate(seq, [], "", False)
-            if whole:
+            if way == "extend":
                 post._extend(seq, row, 1.0, update)
+            elif way == "one":
+                post._append_one(seq, row[0], 1.0, update)
             else:
                 for token in row:
                     post._append(seq, token, 1.0, None, update)
@@ -75,4 +79,4 @@ def test_rows_taken_whole_match_token_by_token(smollm):
                          seq.output_token_ids, seq.text, seq.finish_reason,
                          seq.stop_reason, seq.num_tokens, seq.num_pending,
                          seq.metrics.token_times, sched.block_manager.num_free_blocks))
-        assert ends[0] == ends[1], (case, params, row, pending)
+        assert all(end == ends[0] for end in ends), (case, params, row, pending)
