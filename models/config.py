@@ -7,11 +7,13 @@ import math
 from typing import Any
 
 # HF `architectures` names we can serve, mapped to the family they belong to. All of them are the
-# same decoder (GQA, RMSNorm, SwiGLU, RoPE); they differ in biases, rope scaling and tying.
+# same decoder (GQA, RMSNorm, SwiGLU, RoPE); they differ in biases, q/k norms, rope scaling and
+# tying.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # RMSNorm on each head's q and k before RoPE
 }
 
 
@@ -32,6 +34,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (head_dim), before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -74,6 +77,9 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
         family = SUPPORTED_ARCHITECTURES[arch]
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            raise ValueError(f"use_sliding_window: {arch} with a sliding window "
+                             f"({d['sliding_window']}) is not supported")
         # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
         rope = d.get("rope_parameters") or {}
         return cls(
@@ -91,6 +97,7 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

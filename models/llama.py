@@ -93,6 +93,9 @@ class DecoderLayer(nn.Module):
             q = q + self.param("bq", nn.initializers.zeros, (n, h), dt)
             k = k + self.param("bk", nn.initializers.zeros, (kh, h), dt)
             v = v + self.param("bv", nn.initializers.zeros, (kh, h), dt)
+        if cfg.qk_norm:  # over each head's H
+            q = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dt, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)

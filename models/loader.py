@@ -117,7 +117,7 @@ def load_tokenizer(path: str, **kw):
 # ------------------------------------------------------------------------------------- GGUF
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -128,6 +128,8 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -221,7 +223,8 @@ def _gguf_config(meta: dict, file: str) -> ModelConfig:
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
-        "head_dim": int(get("rope.dimension_count", hidden // num_heads)),
+        "head_dim": int(get("attention.key_length")
+                        or get("rope.dimension_count", hidden // num_heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
@@ -278,6 +281,8 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_proj.bias": (n * h,),
                        p + "self_attn.k_proj.bias": (kh * h,),
                        p + "self_attn.v_proj.bias": (kh * h,)}
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)}
     return shapes
 
 
@@ -330,6 +335,9 @@ def hf_to_params(
         layers["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
         layers["bk"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(kh, h))
         layers["bv"] = stack("self_attn.v_proj.bias", lambda b: b.reshape(kh, h))
+    if cfg.qk_norm:
+        layers["q_norm"] = {"weight": stack("self_attn.q_norm.weight", lambda w: w)}
+        layers["k_norm"] = {"weight": stack("self_attn.k_norm.weight", lambda w: w)}
     params = {
         "embed": tensors["model.embed_tokens.weight"],
         "layers": layers,

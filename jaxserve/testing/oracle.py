@@ -40,9 +40,17 @@ def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
         cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
     elif arch == "mistral":
         cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+    elif arch == "qwen3":  # q/k norms, and a head_dim apart from hidden / heads
+        cfg = tf.Qwen3Config(head_dim=32, tie_word_embeddings=True, **common)
+        cls = tf.Qwen3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
+    if arch == "qwen3":  # norms not all ones, so a weight that loads in the wrong place shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model

@@ -1,6 +1,6 @@
-"""Greedy token ids equal HF transformers `generate` on tiny random Llama, Qwen2 and Mistral
-models (torch, CPU, float32), each with both layer loops (the default model's comparisons are in
-test_hf_equivalence.py)."""
+"""Greedy token ids equal HF transformers `generate` on tiny random Llama, Qwen2, Mistral and
+Qwen3 models (torch, CPU, float32), each with both layer loops, and log-probabilities equal HF's
+(the default model's comparisons are in test_hf_equivalence.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from tests.helpers import run_all
 from tests.models.test_hf_equivalence import NEW_TOKENS, hf_greedy, run_staggered
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     """A float32 pool: random weights leave near-ties between logits that a float16 pool's
     rounding (the CPU default, kept by the default model's tests) may flip."""
@@ -30,4 +31,36 @@ def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     got = run_staggered(engine, ids, params, arrivals=[0, 0, 1, 1, 3, 4, 8, 12])
     for i, prompt_ids in enumerate(ids):
         assert got[f"r{i}"] == hf_greedy(hf_model, prompt_ids, NEW_TOKENS), f"prompt {i}"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_tiny_models_logprobs_match_hf_under_chunking_and_preemption(arch, tiny_models):
+    """Each generated token's top log-probabilities equal HF's log-softmax of its logits at
+    that position (float32 tolerance), in a pool small enough that sequences are preempted
+    and a budget that chunks the prompts."""
+    import torch
+
+    path, hf_model = tiny_models[arch]
+    rng = np.random.default_rng(11)
+    ids = [rng.integers(3, 1000, size=int(n)).tolist() for n in rng.integers(20, 60, size=6)]
+    engine = LLMEngine(EngineConfig(
+        model=path, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=128,
+        num_kv_blocks=14, block_size=8, kv_cache_dtype="float32", token_buckets=(16, 32),
+        block_buckets=(8, 16), max_logprobs=5, enable_step_trace=True))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    for i, p in enumerate(ids):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=params)
+    done = {rid: out.outputs[0] for rid, out in run_all(engine).items()}
+    assert engine.scheduler.num_preemptions > 0
+    assert any(rec.num_prefill_tokens and rec.num_decode_tokens for rec in engine.step_trace)
+    for i, prompt in enumerate(ids):
+        comp = done[f"r{i}"]
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + comp.token_ids])).logits[0].float()
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]  # (new tokens, vocab)
+        assert comp.token_ids == want.argmax(-1).tolist(), f"prompt {i}"
+        for j, entry in enumerate(comp.logprobs):
+            for token, lp in entry["top"].items():
+                assert abs(lp - float(want[j, token])) < 2e-4, (i, j, token)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -81,6 +81,19 @@ def test_rope_parameters_from_transformers5_config():
     assert "model.layers.0.self_attn.q_proj.weight" in expected_hf_shapes(cfg)
 
 
+def test_qwen3_config_has_qk_norms_and_its_own_head_dim_and_refuses_sliding_windows():
+    hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+          "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 16}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.qk_norm and cfg.head_dim == 16 and not cfg.attention_bias
+    shapes = expected_hf_shapes(cfg)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 8)
+    with pytest.raises(ValueError, match="^use_sliding_window"):
+        ModelConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4})
+
+
 def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
                      qtypes: dict[str, str] | None = None) -> None:
     """A GGUF as llama.cpp's converter writes it: llama arch, q/k rows permuted for its RoPE.
