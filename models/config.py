@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # RMSNorm on each head's q and k before RoPE
+    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up fused in the checkpoint (split at load)
 }
 
 
@@ -35,6 +36,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (head_dim), before RoPE
+    # Keys older than this many positions are out of a query's view. Not served yet: an engine
+    # refuses a max_model_len above it (within it, the window changes nothing).
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -77,11 +81,15 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
         family = SUPPORTED_ARCHITECTURES[arch]
-        if d.get("use_sliding_window") and d.get("sliding_window"):
-            raise ValueError(f"use_sliding_window: {arch} with a sliding window "
-                             f"({d['sliding_window']}) is not supported")
+        # Qwen's configs name a window that only use_sliding_window turns on
+        window = (d.get("sliding_window") if family in ("mistral", "phi3")
+                  or d.get("use_sliding_window") else None)
         # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
         rope = d.get("rope_parameters") or {}
+        partial = d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE rotates "
+                             f"whole heads)")
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -98,6 +106,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=family == "qwen3",
+            sliding_window=int(window) if window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

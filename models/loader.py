@@ -89,7 +89,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
     tensors = {}
     for file in files:
         tensors.update(_read_safetensors(file))
-    cfg, params = hf_to_params(cfg, tensors)
+    cfg, params = hf_to_params(cfg, split_fused(cfg, tensors))
     return LoadedModel(cfg, params, load_tokenizer(path), path)
 
 
@@ -284,6 +284,24 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)}
     return shapes
+
+
+def split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A checkpoint's fused projections (Phi-3's qkv_proj, rows q | k | v, and gate_up_proj,
+    rows gate | up) as the separate HF names the rest of the loader reads."""
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("self_attn.qkv_proj.weight") and t.shape[0] == q + 2 * kv:
+            p = name[:-len("qkv_proj.weight")]
+            out |= {p + "q_proj.weight": t[:q], p + "k_proj.weight": t[q:q + kv],
+                    p + "v_proj.weight": t[q + kv:]}
+        elif name.endswith("mlp.gate_up_proj.weight") and t.shape[0] == 2 * f:
+            p = name[:-len("gate_up_proj.weight")]
+            out |= {p + "gate_proj.weight": t[:f], p + "up_proj.weight": t[f:]}
+        else:
+            out[name] = t
+    return out
 
 
 def hf_to_params(

@@ -40,6 +40,9 @@ def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
         cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
     elif arch == "mistral":
         cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+    elif arch == "phi3":  # q/k/v and gate/up fused in the checkpoint
+        cfg = tf.Phi3Config(pad_token_id=0, sliding_window=None, **common)
+        cls = tf.Phi3ForCausalLM
     elif arch == "qwen3":  # q/k norms, and a head_dim apart from hidden / heads
         cfg = tf.Qwen3Config(head_dim=32, tie_word_embeddings=True, **common)
         cls = tf.Qwen3ForCausalLM

@@ -1,5 +1,5 @@
-"""Greedy token ids equal HF transformers `generate` on tiny random Llama, Qwen2, Mistral and
-Qwen3 models (torch, CPU, float32), each with both layer loops, and log-probabilities equal HF's
+"""Greedy token ids equal HF transformers `generate` on tiny random Llama, Qwen2, Mistral, Qwen3
+and Phi-3 models (torch, CPU, float32), each with both layer loops, and log-probabilities equal HF's
 (the default model's comparisons are in test_hf_equivalence.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.models.test_hf_equivalence import NEW_TOKENS, hf_greedy, run_staggere
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
 def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     """A float32 pool: random weights leave near-ties between logits that a float16 pool's
     rounding (the CPU default, kept by the default model's tests) may flip."""
@@ -34,7 +34,7 @@ def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_tiny_models_logprobs_match_hf_under_chunking_and_preemption(arch, tiny_models):
     """Each generated token's top log-probabilities equal HF's log-softmax of its logits at
     that position (float32 tolerance), in a pool small enough that sequences are preempted

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from jaxserve import EngineConfig, LLMEngine
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import expected_hf_shapes, load_model
 
@@ -81,7 +82,7 @@ def test_rope_parameters_from_transformers5_config():
     assert "model.layers.0.self_attn.q_proj.weight" in expected_hf_shapes(cfg)
 
 
-def test_qwen3_config_has_qk_norms_and_its_own_head_dim_and_refuses_sliding_windows():
+def test_qwen3_config_has_qk_norms_and_its_own_head_dim():
     hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
           "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
           "num_key_value_heads": 1, "head_dim": 16}
@@ -90,8 +91,26 @@ def test_qwen3_config_has_qk_norms_and_its_own_head_dim_and_refuses_sliding_wind
     shapes = expected_hf_shapes(cfg)
     assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 8)
-    with pytest.raises(ValueError, match="^use_sliding_window"):
-        ModelConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4})
+    assert cfg.sliding_window is None  # named, but not turned on
+    assert ModelConfig.from_hf(hf | {"sliding_window": 4}).sliding_window is None
+    assert ModelConfig.from_hf(hf | {"use_sliding_window": True,
+                                     "sliding_window": 4}).sliding_window == 4
+    with pytest.raises(ValueError, match="^partial_rotary_factor"):
+        ModelConfig.from_hf(hf | {"partial_rotary_factor": 0.5})
+
+
+def test_a_sliding_window_caps_max_model_len(tmp_path, tiny_models):
+    """Windows are not served: an engine whose max_model_len passes the model's window is
+    refused naming max_model_len; within it the window changes nothing, and it loads."""
+    src, _ = tiny_models["mistral"]
+    shutil.copytree(src, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))
+    with pytest.raises(ValueError, match="^max_model_len"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "m"), max_model_len=128))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), max_model_len=64,
+                                    token_buckets=(16,), block_buckets=(4,)))
+    assert engine.model_config.sliding_window == 64
 
 
 def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
