@@ -14,11 +14,13 @@ import time
 import uuid
 from typing import Any
 
+import jinja2
 from aiohttp import web
 
 from jaxserve import __version__
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm_engine import QueueFullError
+from jaxserve.serving import tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 
@@ -265,8 +267,9 @@ class _Api:
                     await send(_event(ApiError(500, failure, kind="server_error").body()))
                     break
                 chunk = make_chunk(out)
-                if chunk is not None:
-                    await send(_event(chunk))
+                for c in chunk if isinstance(chunk, list) else [chunk]:
+                    if c is not None:
+                        await send(_event(c))
             else:
                 if usage_base is not None and last is not None:
                     await send(_event(usage_base | {"choices": [], "usage": _usage(last)}))
@@ -354,66 +357,106 @@ class _Api:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            raise ApiError(400, "messages must be a non-empty list of {role, content} strings",
-                           param="messages")
-        tok = self.server.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ApiError(400, "this model has no chat template", param="messages")
-        chars = sum(len(m["content"]) for m in messages)
-        limit = self.server.max_prompt_chars
-        if chars > limit:
-            raise ApiError(400, f"messages hold {chars} characters, more than the prompt limit's "
-                                f"tokens can hold ({limit})", param="messages")
-        prompt = await self.server.off_loop(
-            tok.apply_chat_template, [{"role": m["role"], "content": m["content"]}
-                                      for m in messages], tokenize=False,
-            **self._template_options(body, messages))
+        try:
+            choice = tools.parse_tool_choice(body)
+            messages = tools.check_messages(body.get("messages"))
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        prompt = await self._chat_prompt(body, messages, choice)
         params = self._params(body, None)
+        if choice is not None and choice.is_forced:
+            await self._force_calls(params, choice)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat",
                                                body.get("cache_salt"))
         created, model = int(time.time()), self.server.config.model_name
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        calling = choice is not None and choice.mode != "none"
         if body.get("stream"):
             base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": model}
             first = base | {"choices": [{"index": i, "delta": {"role": "assistant",
                                                                 "content": ""},
                                          "finish_reason": None} for i in range(params.n)]}
-
+            parsers = {i: tools.CallParser(choice) for i in range(params.n)} if calling else {}
             unscored = body.get("prompt_logprobs") is not None
 
             def chunk(out):
                 nonlocal unscored
-                choices = []
+                rows: list[list[dict]] = []  # per choice, its deltas in order
                 for comp in _moved(out):
                     lp = self._chat_logprobs(comp, new_only=True)
-                    if comp.new_text or comp.finish_reason or lp is not None:
-                        delta = {"content": comp.new_text} if comp.new_text else {}
-                        choices.append({"index": comp.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": comp.finish_reason})
-                if not choices:
-                    return None
-                if unscored:  # vLLM's prompt_logprobs, once, on the first content chunk
+                    parser = parsers.get(comp.index)
+                    deltas = (_call_deltas(parser, comp) if parser is not None else
+                              [{"content": comp.new_text}] if comp.new_text else [])
+                    finish = _finish(comp.finish_reason, parser)
+                    if not deltas and (finish or lp is not None):
+                        deltas = [{}]
+                    rows.append([{"index": comp.index, "delta": d,
+                                  "logprobs": lp if j == 0 else None,
+                                  "finish_reason": finish if j == len(deltas) - 1 else None}
+                                 for j, d in enumerate(deltas)])
+                chunks = [base | {"choices": [r[j] for r in rows if j < len(r)]}
+                          for j in range(max(map(len, rows), default=0))]
+                if chunks and unscored:  # vLLM's prompt_logprobs, once, on the first chunk
                     unscored = False
-                    return base | {"choices": choices,
-                                   "prompt_logprobs": self._prompt_logprobs(out)}
-                return base | {"choices": choices}
+                    chunks[0]["prompt_logprobs"] = self._prompt_logprobs(out)
+                return chunks
             return await self._sse(request, engine_id, stream, chunk, first,
                                    base if include_usage else None)
         out = await self._collect(request, engine_id, stream)
+
+        def answer(c) -> dict:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if calling:
+                message["content"], calls = tools.split_calls(c.text, choice)
+                if calls:
+                    message["tool_calls"] = [_call_json(x) for x in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            return {"index": c.index, "message": message, "logprobs": self._chat_logprobs(c),
+                    "finish_reason": finish}
+
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": self._chat_logprobs(c),
-                         "finish_reason": c.finish_reason} for c in out.outputs],
-            "usage": _usage(out)}
+            "choices": [answer(c) for c in out.outputs], "usage": _usage(out)}
             | ({"prompt_logprobs": self._prompt_logprobs(out)}
                if body.get("prompt_logprobs") is not None else {}))
+
+    async def _chat_prompt(self, body: dict, messages: list[dict],
+                           choice: tools.ToolChoice | None) -> str:
+        """The conversation (and tools) through the model's chat template, off the loop."""
+        tok = self.server.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template", param="messages")
+        chars = sum(len(m["content"]) + sum(len(c["arguments"]) for c in m.get("tool_calls", ()))
+                    for m in messages)
+        chars += len(json.dumps([t.spec() for t in choice.tools])) if choice else 0
+        limit = self.server.max_prompt_chars
+        if chars > limit:
+            raise ApiError(400, f"messages hold {chars} characters, more than the prompt limit's "
+                                f"tokens can hold ({limit})", param="messages")
+        rendered, extra = tools.render(messages, choice, tools.takes_tools(tok.chat_template))
+        try:
+            return await self.server.off_loop(tok.apply_chat_template, rendered, tokenize=False,
+                                              **extra, **self._template_options(body, messages))
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise ApiError(400, f"the chat template refused the messages: {e}",
+                           param="messages") from None
+
+    async def _force_calls(self, params: SamplingParams, choice: tools.ToolChoice) -> None:
+        """tool_choice required or a named function: the output is a grammar's tool calls."""
+        if params.structured_outputs is not None:
+            raise ApiError(400, "tool_choice required or a named function cannot be combined "
+                                "with structured output", param="tool_choice")
+        spec = {"grammar": choice.grammar()}
+        if self.server.engine.grammars is not None:
+            try:
+                await self.server.off_loop(self.server.engine.grammars.check, spec)
+            except ValueError as e:
+                raise ApiError(400, f"tools: a parameters schema the grammar cannot take: {e}",
+                               param="tools") from None
+        params.structured_outputs = spec
 
     def _token_text(self, token_id: int) -> str:
         tok = self.server.engine.tokenizer
@@ -563,3 +606,29 @@ def _entries(comp, new_only: bool) -> list[tuple[int, dict]] | None:
         if not n:
             return None
     return list(zip(ids, entries, strict=True))
+
+
+def _call_json(call: dict) -> dict:
+    return {"id": call["id"], "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+def _call_deltas(parser: tools.CallParser, comp) -> list[dict]:
+    """A choice's new text as chat deltas: text as content; a call as OpenAI streams one, a
+    delta with its index, id, type and name, then one with its arguments."""
+    events = parser.feed(comp.new_text) + (parser.finish() if comp.finish_reason else [])
+    deltas, k = [], parser.num_calls - sum(kind == "call" for kind, _ in events)
+    for kind, e in events:
+        if kind == "text":
+            deltas.append({"content": e})
+            continue
+        deltas.append({"tool_calls": [{"index": k, "id": e["id"], "type": "function",
+                                       "function": {"name": e["name"], "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": k, "function": {"arguments": e["arguments"]}}]})
+        k += 1
+    return deltas
+
+
+def _finish(reason: str | None, parser: tools.CallParser | None) -> str | None:
+    """A choice that called tools and stopped finishes with tool_calls, as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and parser is not None and parser.num_calls else reason
