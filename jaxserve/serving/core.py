@@ -47,6 +47,10 @@ class ServerConfig:
                                              "may finish before they are aborted")
     public_metrics: bool = option(False, "serve GET /metrics without the API key (it needs "
                                          "the key when --api-key is set)")
+    max_stored_responses: int = option(1024, "responses kept for previous_response_id (least "
+                                             "recently used go first; 0: none)")
+    max_stored_response_bytes: int = option(64 << 20, "bytes of JSON the kept responses may "
+                                                      "hold (least recently used go first)")
     model_name: str = option("jaxserve", "the model id /v1/models reports and requests name")
 
     def __post_init__(self):
@@ -54,6 +58,9 @@ class ServerConfig:
                      "write_stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_stored_responses", "max_stored_response_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 class LimitError(ValueError):

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions (both with
-`stream: true` as server-sent events), /v1/models, /health, /metrics (Prometheus text).
+`stream: true` as server-sent events; chat with tool calls), /v1/responses (stored responses
+readable and deletable by id), /v1/models, /health, /metrics (Prometheus text).
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for bad
 fields, 401 for a missing or wrong key, 404 for an unknown model or route, 429 when the waiting
@@ -14,11 +15,13 @@ import time
 import uuid
 from typing import Any
 
+import jinja2
 from aiohttp import web
 
 from jaxserve import __version__
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm_engine import QueueFullError
+from jaxserve.serving import responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 
@@ -59,6 +62,9 @@ def build_app(server: ServingCore) -> web.Application:
                           client_max_size=server.config.max_frame_bytes)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_post("/v1/responses", api.responses)
+    app.router.add_get("/v1/responses/{response_id}", api.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", api.delete_response)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/version", api.version)
@@ -71,6 +77,9 @@ def build_app(server: ServingCore) -> web.Application:
 class _Api:
     def __init__(self, server: ServingCore):
         self.server = server
+        cfg = server.config
+        self.store = responses.ResponseStore(cfg.max_stored_responses,
+                                             cfg.max_stored_response_bytes)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -237,12 +246,14 @@ class _Api:
                            param="stream_options")
         return opts.get("include_usage", False)
 
-    async def _sse(self, request: web.Request, engine_id: str, stream, make_chunk, first=None,
-                   usage_base: dict | None = None):
-        """Stream chunks; with `usage_base` (stream_options.include_usage) a last chunk with no
-        choices carries the usage, as OpenAI's API does. A request that fails in the engine
-        ends with an error event. A client that stops reading is cut off (serving/flow.py),
-        one that disconnects cancels this handler; either way the request is aborted."""
+    async def _sse(self, request: web.Request, engine_id: str, stream, make_chunk, first=(),
+                   end=None, error=None, encode=None, done: bytes = b"data: [DONE]\n\n"):
+        """Stream the events `make_chunk(output)` makes (a dict, a list of them or None) after
+        `first`, then `end(last output)`'s and `done`. A request that fails in the engine ends
+        with `error(message)`'s event (OpenAI's error body by default). A client that stops
+        reading is cut off (serving/flow.py), one that disconnects cancels this handler;
+        either way the request is aborted."""
+        encode = encode or _event
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -250,27 +261,30 @@ class _Api:
         watched = self.server.stall_watch.watch(transport, transport.abort)
         stream.on_overflow = lambda s: transport.abort()
 
-        async def send(data: bytes) -> None:
-            watched.written += len(data)
-            await resp.write(data)
+        async def send(events) -> None:
+            for e in events if isinstance(events, list) else [events]:
+                if e is not None:
+                    data = encode(e)
+                    watched.written += len(data)
+                    await resp.write(data)
 
         try:
-            if first is not None:
-                await send(_event(first))
+            await send(list(first))
             last = None
             async for out in stream:
                 last = out
                 failure = engine_failure(out)
                 if failure is not None:
-                    await send(_event(ApiError(500, failure, kind="server_error").body()))
+                    await send(error(failure) if error else
+                               ApiError(500, failure, kind="server_error").body())
                     break
-                chunk = make_chunk(out)
-                if chunk is not None:
-                    await send(_event(chunk))
+                await send(make_chunk(out))
             else:
-                if usage_base is not None and last is not None:
-                    await send(_event(usage_base | {"choices": [], "usage": _usage(last)}))
-            await send(b"data: [DONE]\n\n")
+                if end is not None and last is not None:
+                    await send(end(last))
+            if done:
+                watched.written += len(done)
+                await resp.write(done)
         except (ConnectionError, RuntimeError, StreamOverflow):
             pass
         finally:
@@ -341,9 +355,9 @@ class _Api:
                                        | (extra(out) if lead else {}))
                 return {"id": rid, "object": "text_completion", "created": created,
                         "model": model, "choices": choices} if choices else None
-            usage = ({"id": rid, "object": "text_completion", "created": created,
-                      "model": model} if include_usage else None)
-            return await self._sse(request, engine_id, stream, chunk, usage_base=usage)
+            base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+            return await self._sse(request, engine_id, stream, chunk,
+                                   end=_usage_chunk(base) if include_usage else None)
         out = await self._collect(request, engine_id, stream)
         return web.json_response({
             "id": rid, "object": "text_completion", "created": created, "model": model,
@@ -354,66 +368,192 @@ class _Api:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            raise ApiError(400, "messages must be a non-empty list of {role, content} strings",
-                           param="messages")
-        tok = self.server.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ApiError(400, "this model has no chat template", param="messages")
-        chars = sum(len(m["content"]) for m in messages)
-        limit = self.server.max_prompt_chars
-        if chars > limit:
-            raise ApiError(400, f"messages hold {chars} characters, more than the prompt limit's "
-                                f"tokens can hold ({limit})", param="messages")
-        prompt = await self.server.off_loop(
-            tok.apply_chat_template, [{"role": m["role"], "content": m["content"]}
-                                      for m in messages], tokenize=False,
-            **self._template_options(body, messages))
+        try:
+            choice = tools.parse_tool_choice(body)
+            messages = tools.check_messages(body.get("messages"))
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        prompt = await self._chat_prompt(body, messages, choice)
         params = self._params(body, None)
+        if choice is not None and choice.is_forced:
+            await self._force_calls(params, choice)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat",
                                                body.get("cache_salt"))
         created, model = int(time.time()), self.server.config.model_name
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        calling = choice is not None and choice.mode != "none"
         if body.get("stream"):
             base = {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": model}
             first = base | {"choices": [{"index": i, "delta": {"role": "assistant",
                                                                 "content": ""},
                                          "finish_reason": None} for i in range(params.n)]}
-
+            parsers = {i: tools.CallParser(choice) for i in range(params.n)} if calling else {}
             unscored = body.get("prompt_logprobs") is not None
 
             def chunk(out):
                 nonlocal unscored
-                choices = []
+                rows: list[list[dict]] = []  # per choice, its deltas in order
                 for comp in _moved(out):
                     lp = self._chat_logprobs(comp, new_only=True)
-                    if comp.new_text or comp.finish_reason or lp is not None:
-                        delta = {"content": comp.new_text} if comp.new_text else {}
-                        choices.append({"index": comp.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": comp.finish_reason})
-                if not choices:
-                    return None
-                if unscored:  # vLLM's prompt_logprobs, once, on the first content chunk
+                    parser = parsers.get(comp.index)
+                    deltas = (_call_deltas(parser, comp) if parser is not None else
+                              [{"content": comp.new_text}] if comp.new_text else [])
+                    finish = _finish(comp.finish_reason, parser)
+                    if not deltas and (finish or lp is not None):
+                        deltas = [{}]
+                    rows.append([{"index": comp.index, "delta": d,
+                                  "logprobs": lp if j == 0 else None,
+                                  "finish_reason": finish if j == len(deltas) - 1 else None}
+                                 for j, d in enumerate(deltas)])
+                chunks = [base | {"choices": [r[j] for r in rows if j < len(r)]}
+                          for j in range(max(map(len, rows), default=0))]
+                if chunks and unscored:  # vLLM's prompt_logprobs, once, on the first chunk
                     unscored = False
-                    return base | {"choices": choices,
-                                   "prompt_logprobs": self._prompt_logprobs(out)}
-                return base | {"choices": choices}
-            return await self._sse(request, engine_id, stream, chunk, first,
-                                   base if include_usage else None)
+                    chunks[0]["prompt_logprobs"] = self._prompt_logprobs(out)
+                return chunks
+            return await self._sse(request, engine_id, stream, chunk, [first],
+                                   end=_usage_chunk(base) if include_usage else None)
         out = await self._collect(request, engine_id, stream)
+
+        def answer(c) -> dict:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if calling:
+                message["content"], calls = tools.split_calls(c.text, choice)
+                if calls:
+                    message["tool_calls"] = [_call_json(x) for x in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            return {"index": c.index, "message": message, "logprobs": self._chat_logprobs(c),
+                    "finish_reason": finish}
+
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": self._chat_logprobs(c),
-                         "finish_reason": c.finish_reason} for c in out.outputs],
-            "usage": _usage(out)}
+            "choices": [answer(c) for c in out.outputs], "usage": _usage(out)}
             | ({"prompt_logprobs": self._prompt_logprobs(out)}
                if body.get("prompt_logprobs") is not None else {}))
+
+    async def _chat_prompt(self, body: dict, messages: list[dict],
+                           choice: tools.ToolChoice | None) -> str:
+        """The conversation (and tools) through the model's chat template, off the loop."""
+        tok = self.server.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template", param="messages")
+        chars = sum(len(m["content"]) + sum(len(c["arguments"]) for c in m.get("tool_calls", ()))
+                    for m in messages)
+        chars += len(json.dumps([t.spec() for t in choice.tools])) if choice else 0
+        limit = self.server.max_prompt_chars
+        if chars > limit:
+            raise ApiError(400, f"messages hold {chars} characters, more than the prompt limit's "
+                                f"tokens can hold ({limit})", param="messages")
+        rendered, extra = tools.render(messages, choice, tools.takes_tools(tok.chat_template))
+        try:
+            return await self.server.off_loop(tok.apply_chat_template, rendered, tokenize=False,
+                                              **extra, **self._template_options(body, messages))
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise ApiError(400, f"the chat template refused the messages: {e}",
+                           param="messages") from None
+
+    async def _force_calls(self, params: SamplingParams, choice: tools.ToolChoice) -> None:
+        """tool_choice required or a named function: the output is a grammar's tool calls."""
+        if params.structured_outputs is not None:
+            raise ApiError(400, "tool_choice required or a named function cannot be combined "
+                                "with structured output", param="tool_choice")
+        params.structured_outputs = await self._grammar({"grammar": choice.grammar()}, "tools")
+
+    async def _grammar(self, spec: dict, param: str) -> dict:
+        """`spec` compiled on the tokenizer thread (the engine finds it ready); a 400 naming
+        `param` if it does not compile."""
+        if self.server.engine.grammars is not None:
+            try:
+                await self.server.off_loop(self.server.engine.grammars.check, spec)
+            except ValueError as e:
+                raise ApiError(400, f"{param}: {e}", param=param) from None
+        return spec
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API: `input` (and the stored conversation of
+        `previous_response_id`) with `instructions` through the chat template; the answer as
+        output items, or with `stream` as the typed event stream."""
+        body = await self._body(request)
+        try:
+            choice = tools.parse_tool_choice(body)
+            messages = responses.input_messages(body.get("input"))
+            structured = responses.text_format(body)
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        instructions, store = body.get("instructions"), body.get("store", True)
+        if instructions is not None and not isinstance(instructions, str):
+            raise ApiError(400, "instructions must be a string", param="instructions")
+        if not isinstance(store, bool):
+            raise ApiError(400, "store must be a boolean", param="store")
+        prev = body.get("previous_response_id")
+        if prev is not None:
+            record = self.store.get(prev) if isinstance(prev, str) else None
+            if record is None:
+                raise ApiError(400, f"no stored response {prev!r} (never stored, stored with "
+                                    "store: false, or evicted)", param="previous_response_id")
+            messages = record["conversation"] + messages
+        system = [{"role": "system", "content": instructions}] if instructions else []
+        prompt = await self._chat_prompt({}, system + messages, choice)
+        sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
+        try:
+            params = self._params(sampling | {"max_tokens": body.get("max_output_tokens")}, None)
+        except ApiError as e:
+            e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
+            raise
+        if structured is not None:
+            params.structured_outputs = await self._grammar(structured, "text")
+        if choice is not None and choice.is_forced:
+            await self._force_calls(params, choice)
+        fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+        builder = responses.ResponseBuilder({
+            "id": responses.new_id("resp"), "object": "response",
+            "created_at": int(time.time()), "model": self.server.config.model_name,
+            "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
+            "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": params.temperature, "top_p": params.top_p,
+            "tools": [t.spec()["function"] | {"type": "function", "strict": False}
+                      for t in (choice.tools if choice else ())],
+            "tool_choice": body.get("tool_choice", "auto" if choice else "none"),
+            "parallel_tool_calls": choice.parallel if choice else True,
+            "previous_response_id": prev, "text": {"format": fmt}, "metadata": {},
+            "store": store, "truncation": "disabled", "usage": None}, choice)
+
+        engine_id, stream = await self._submit(prompt, None, params, "resp")
+
+        def finish(out) -> list[dict]:
+            events = builder.finish(out)
+            if store:
+                self.store.put(builder.response["id"], {
+                    "conversation": messages + builder.conversation(),
+                    "response": builder.response})
+            return events
+
+        if body.get("stream"):
+            def chunk(out):
+                comp = out.outputs[0]
+                return builder.feed(comp.new_text, final=comp.finish_reason is not None)
+            return await self._sse(request, engine_id, stream, chunk, builder.start(),
+                                   end=finish, error=builder.error, encode=_typed_event,
+                                   done=b"")
+        out = await self._collect(request, engine_id, stream)
+        builder.feed(out.outputs[0].text, final=True)
+        finish(out)
+        return web.json_response(builder.response)
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        record = self.store.get(request.match_info["response_id"])
+        if record is None:
+            raise ApiError(404, "no such stored response", kind="not_found_error")
+        return web.json_response(record["response"])
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["response_id"]
+        if not self.store.delete(rid):
+            raise ApiError(404, "no such stored response", kind="not_found_error")
+        return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
     def _token_text(self, token_id: int) -> str:
         tok = self.server.engine.tokenizer
@@ -539,6 +679,17 @@ def _event(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
+def _typed_event(obj: dict) -> bytes:
+    """An event of a typed stream (the Responses API): its type on the event line too."""
+    return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
+
+
+def _usage_chunk(base: dict):
+    """stream_options.include_usage: a last chunk with no choices carries the usage, as
+    OpenAI's API does."""
+    return lambda last: base | {"choices": [], "usage": _usage(last)}
+
+
 def _usage(out) -> dict:
     p, c = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -563,3 +714,29 @@ def _entries(comp, new_only: bool) -> list[tuple[int, dict]] | None:
         if not n:
             return None
     return list(zip(ids, entries, strict=True))
+
+
+def _call_json(call: dict) -> dict:
+    return {"id": call["id"], "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+def _call_deltas(parser: tools.CallParser, comp) -> list[dict]:
+    """A choice's new text as chat deltas: text as content; a call as OpenAI streams one, a
+    delta with its index, id, type and name, then one with its arguments."""
+    events = parser.feed(comp.new_text) + (parser.finish() if comp.finish_reason else [])
+    deltas, k = [], parser.num_calls - sum(kind == "call" for kind, _ in events)
+    for kind, e in events:
+        if kind == "text":
+            deltas.append({"content": e})
+            continue
+        deltas.append({"tool_calls": [{"index": k, "id": e["id"], "type": "function",
+                                       "function": {"name": e["name"], "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": k, "function": {"arguments": e["arguments"]}}]})
+        k += 1
+    return deltas
+
+
+def _finish(reason: str | None, parser: tools.CallParser | None) -> str | None:
+    """A choice that called tools and stopped finishes with tool_calls, as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and parser is not None and parser.num_calls else reason

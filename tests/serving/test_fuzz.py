@@ -107,6 +107,20 @@ def server(smollm):
 statuses: list[int] = []
 
 
+def post(server, route: str, body) -> tuple[int, str, str]:
+    """(status, body text, content type) of a JSON POST; the status is kept in `statuses`."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=120)
+    conn.request("POST", route, body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    status, data = r.status, r.read().decode()
+    conn.close()
+    statuses.append(status)
+    return status, data, r.getheader("Content-Type", "")
+
+
 def _body_maps():
     keys = st.sampled_from(("prompt", "messages", "max_tokens", "temperature", "top_p", "top_k",
                             "seed", "stop", "logprobs", "top_logprobs", "stream", "n", "model",
@@ -124,16 +138,8 @@ def _body_maps():
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=_body_maps(), route=st.sampled_from(("/v1/completions", "/v1/chat/completions")))
 def test_http_any_json_body_gets_a_result_or_an_openai_error(server, body, route):
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=120)
-    conn.request("POST", route, body=json.dumps(body).encode(),
-                 headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    status, data = r.status, r.read().decode()
-    conn.close()
-    statuses.append(status)
-    if status == 200 and r.getheader("Content-Type", "").startswith("text/event-stream"):
+    status, data, kind = post(server, route, body)
+    if status == 200 and kind.startswith("text/event-stream"):
         events = [e.removeprefix("data: ") for e in data.split("\n\n") if e]
         assert events[-1] == "[DONE]", data
         for e in events[:-1]:
@@ -146,6 +152,51 @@ def test_http_any_json_body_gets_a_result_or_an_openai_error(server, body, route
         assert 400 <= status < 500, (status, answer)
         err = answer["error"]
         assert isinstance(err["message"], str) and err["type"]
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+
+
+def _tool_bodies():
+    """Chat bodies with tools, and Responses bodies, whose tool and input fields are set to
+    anything (items of the right shapes among them)."""
+    items = st.fixed_dictionaries({"type": st.sampled_from(
+        ("message", "function_call", "function_call_output", "x")),
+        "role": st.sampled_from(("user", "assistant", "system", "tool")),
+        "content": values, "call_id": st.text(max_size=4), "name": st.just("f"),
+        "arguments": values, "output": values})
+    fields = {"tools": st.just([TOOL]) | values | st.lists(values, max_size=2),
+              "tool_choice": st.sampled_from(("none", "auto", "required", "x")) | values
+              | st.just({"type": "function", "function": {"name": "f"}}),
+              "parallel_tool_calls": values,
+              "messages": st.lists(items | values, max_size=3),
+              "input": st.text(max_size=8) | st.lists(items | values, max_size=3) | values,
+              "text": values | st.just({"format": {"type": "json_schema", "schema": {}}}),
+              "instructions": values, "previous_response_id": values, "store": values,
+              "max_output_tokens": values}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "tools": [TOOL], "max_tokens": 2}
+    resp = {"input": "Hi", "tools": [TOOL], "max_output_tokens": 2}
+    changes = st.dictionaries(st.sampled_from(sorted(fields)), values, max_size=3).flatmap(
+        lambda d: st.fixed_dictionaries({k: fields[k] for k in d}))
+    return st.tuples(st.sampled_from((("/v1/chat/completions", chat), ("/v1/responses", resp))),
+                     changes, st.booleans())
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=_tool_bodies())
+def test_http_tools_and_responses_bodies_get_a_result_or_an_openai_error(server, case):
+    (route, good), change, stream = case
+    status, data, _ = post(server, route, {**good, **change, "stream": stream})
+    assert status == 200 or 400 <= status < 500, (status, data)
+    if status == 200 and stream:
+        events = [e for e in data.split("\n\n") if e]
+        assert events and "error" not in events[-1].split("\n")[0], data
+    elif status != 200:
+        err = json.loads(data)["error"]
+        assert isinstance(err["message"], str) and err["type"] and err["param"], err
 
 
 @pytest.mark.slow

@@ -9,25 +9,15 @@ import urllib.request
 
 import pytest
 
-from jaxserve import LLMEngine
 from tests.serving.server_fixture import RunningServer
-from tests.serving.test_server import engine_config
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(smollm):
-    srv = RunningServer(LLMEngine(engine_config(), loaded=smollm), api_key="k",
-                        model_name="smollm2")
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="k", max_retries=0)
+def server(http_server):
+    return http_server
 
 
 def scrape(server, key: str | None = "k") -> dict[str, float]:
