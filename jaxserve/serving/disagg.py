@@ -372,6 +372,9 @@ class DisaggSet:
     async def _prefill(self, req: _Request, s: _Sample, priority: int, salt: str | None):
         """Send the sample's prompt to a prefill engine; its queue and first frame."""
         eid = req.engine_id(s)
+        self.router.down.update(i for i, x in enumerate(self.prefill) if not x.alive)
+        if len(self.router.down) == len(self.prefill):
+            return asyncio.Queue(), {"type": "error", "message": "no prefill engine is up"}
         link = self.prefill[self.router.route(eid, req.prompt_ids, salt)]
         s.prefill = link
         q = link.open(eid)
@@ -440,7 +443,8 @@ class DisaggSet:
             return False
         if kind == "done":  # the prefill copy released: nothing for the client
             return True
-        s.fail(link.gone_message if msg is _GONE else f"{link.name}: {msg.get('message')}")
+        where = f"{link.name}: " if link is not None else ""
+        s.fail(link.gone_message if msg is _GONE else f"{where}{msg.get('message')}")
         return False
 
     async def _reserve(self, req: _Request, s: _Sample, priority: int, salt: str | None):
