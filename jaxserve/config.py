@@ -110,6 +110,9 @@ class EngineConfig:
         Role.BOTH, "disaggregated serving: 'prefill' computes prompts and first tokens and "
                    "keeps each request's KV blocks until a decode engine takes them over; "
                    "'decode' takes over prefilled requests and decodes them; 'both' does all")
+    handover_host: str = option(
+        "127.0.0.1", "address a prefill engine's K/V transfer server listens on (decode "
+                     "engines on other machines pull from it)")
     strict_compile: bool = option(False, "raise if any program compiles after warmup()")
     decode_steps: int | None = option(
         None, "most decode steps one call of the step program runs when every running "

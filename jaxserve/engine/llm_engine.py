@@ -161,7 +161,8 @@ class LLMEngine:
                                  else jax.default_backend() != "cpu")
         # disaggregated serving (engine/handover.py); a prefill engine parks a request as its
         # first token comes back, so no later step may have been launched for it
-        self.handover = Handover(self) if config.role is not Role.BOTH else None
+        self.handover = (Handover(self, config.handover_host) if config.role is not Role.BOTH
+                         else None)
         if config.role is Role.PREFILL:
             self.async_scheduling = False
         if self.async_scheduling and self.speculator is not None:
