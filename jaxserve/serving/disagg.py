@@ -363,6 +363,7 @@ class DisaggSet:
             "engines": {x.name: self._snaps.get(x.name, {}) | {
                 "role": x.role, "address": x.address, "alive": x.alive} for x in self.links},
             "engines_gone": [x.name for x in self.links if not x.alive],
+            "front_requests": len(self._live), "front_tasks": len(self._tasks),
             "handovers": c.num, "handover_bytes": c.bytes, "handover_seconds": c.seconds,
             "handover_blocks_cached": c.blocks_cached, "handovers_failed": c.num_failed,
             "handover_last_bytes": c.last_bytes, "handover_last_seconds": c.last_seconds}

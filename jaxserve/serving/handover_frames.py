@@ -98,7 +98,7 @@ class HandoverFrames:
         engine_id = f"c{conn.number}-{req.id}"
         conn.active[req.id] = engine_id
         try:
-            stream, r = await self.replica.take_over(
+            stream, r = await self.core.replicas.take_over(
                 engine_id, prompt_token_ids=req.prompt_token_ids, params=req.params,
                 first_token=first, first_logprob=first_lp, priority=req.priority,
                 cache_salt=req.cache_salt)

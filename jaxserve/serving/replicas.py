@@ -63,6 +63,16 @@ class ReplicaSet:
             self.router.finished(request_id)
             raise
 
+    async def take_over(self, request_id: str, **kwargs):
+        """A decode engine takes a prefilled request over (AsyncEngine.take_over), counted on
+        the replica the router picks like any request, so its abort finds it."""
+        i = self.router.route(request_id)
+        try:
+            return await self.replicas[i].take_over(request_id, **kwargs)
+        except BaseException:
+            self.router.finished(request_id)
+            raise
+
     def abort(self, request_id: str) -> None:
         i = self.router.owner(request_id)
         if i is not None:  # else it finished already: nothing to abort

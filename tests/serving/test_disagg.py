@@ -108,7 +108,12 @@ class Launched:
 def launched(tiny_llama_dir):
     run = Launched(tiny_llama_dir)
     yield run
+    with Client(port=run.port) as c:  # the front holds nothing once every request ended
+        stats = c.stats()
+    t0 = time.time()
     run.stop()
+    assert (stats["front_requests"], stats["front_tasks"]) == (0, 0)
+    assert run.proc.returncode is not None and time.time() - t0 < 30
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +179,30 @@ def test_decode_side_hits_its_prefix_cache_and_metrics_show_handovers(launched, 
     assert after["jaxserve_handover_seconds_total"] > before["jaxserve_handover_seconds_total"]
 
 
+def _all_blocks_back(launched, engines: list[str]) -> None:
+    deadline = time.time() + 30
+    while any(launched.engine_value(k, e) != 0 for e in engines
+              for k in ("kv_blocks_used", "handover_held", "num_running")):
+        assert time.time() < deadline, launched.metrics()
+        time.sleep(0.05)
+
+
+def test_aborts_and_disconnects_free_every_block(launched):
+    with Client(port=launched.port) as c:
+        frames = c.generate_stream(prompt_token_ids=SYSTEM + [90], request_id="a",
+                                   max_tokens=LONG, temperature=0, ignore_eos=True)
+        next(frames), next(frames)  # the prefill engine's token, then the decode engine's
+        c.abort("a")
+        last = list(frames)[-1]
+    assert last["finish_reason"] == "abort" and len(last["token_ids"]) < LONG
+    stream = launched.client().completions.create(
+        model="jaxserve", prompt=[91, 92, 93], max_tokens=LONG, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # the client leaves mid-stream
+    _all_blocks_back(launched, ["prefill-0", "prefill-1", "decode-0", "decode-1"])
+
+
 def test_a_prefill_engine_killed_while_holding_a_handover_fails_only_that_request(launched):
     client = launched.client()
     # Fill both decode engines (2 sequences each), so the next request waits, prefilled, on
@@ -225,6 +254,4 @@ def test_a_decode_engine_killed_during_a_stream_fails_only_that_stream(launched,
     alive = [e for e in ("prefill-0", "prefill-1", "decode-0", "decode-1")
              if m[f'jaxserve_engine_up{{"engine": "{e}"}}'] == 1]
     assert len(alive) == 2
-    for e in alive:
-        assert m[f'jaxserve_engine_kv_blocks_used{{"engine": "{e}"}}'] == 0
-        assert m[f'jaxserve_engine_handover_held{{"engine": "{e}"}}'] == 0
+    _all_blocks_back(launched, alive)
