@@ -187,7 +187,10 @@ def _all_blocks_back(launched, engines: list[str]) -> None:
         time.sleep(0.05)
 
 
-def test_aborts_and_disconnects_free_every_block(launched):
+def test_aborts_refusals_and_disconnects_free_every_block(launched):
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(5000\) exceeds max_model_len"):
+        launched.client().completions.create(model="jaxserve", prompt=[1, 2, 3],
+                                             max_tokens=5000)
     with Client(port=launched.port) as c:
         frames = c.generate_stream(prompt_token_ids=SYSTEM + [90], request_id="a",
                                    max_tokens=LONG, temperature=0, ignore_eos=True)
