@@ -142,8 +142,10 @@ def main(argv=None) -> int:
     if args.server:
         host, _, port = args.server.rpartition(":")
         points = []
-        for params in parse_sweep(args.sweep) if args.sweep else [{}]:
-            workload = make_workload(dataclasses.replace(wcfg, **params), vocab_size=49152)
+        for i, params in enumerate(parse_sweep(args.sweep) if args.sweep else [{}]):
+            # new prompts for every point: the server's prefix cache keeps the last point's
+            w = dataclasses.replace(wcfg, seed=wcfg.seed + i, **params)
+            workload = make_workload(w, vocab_size=49152)
             res, dur = drivers.run_server(int(port), workload, host or "127.0.0.1",
                                           args.concurrency, progress)
             points.append({"params": params, "summary": summarize(res, dur, workload)})

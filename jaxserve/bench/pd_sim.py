@@ -155,9 +155,14 @@ def measure(model: str | None, budget: int, max_seqs: int, num_requests: int = 1
     """Fit the step cost from the engine's own step trace on long prompts and decodes."""
     from jaxserve import EngineConfig, LLMEngine, SamplingParams
 
+    # two token buckets: decode-only steps on the small one, steps with prompt chunks on the
+    # budget (the compile time of every bucket would outlast the measurement)
     engine = LLMEngine(EngineConfig(model=model, max_num_batched_tokens=budget,
-                                    max_num_seqs=max_seqs, max_model_len=4096,
-                                    enable_step_trace=True, log_stats_interval_s=0))
+                                    max_num_seqs=max_seqs, max_model_len=2048,
+                                    token_buckets=(max(max_seqs, 8), budget),
+                                    seq_buckets=(max_seqs,), block_buckets=(128,),
+                                    enable_step_trace=True,
+                                    log_stats_interval_s=0))
     engine.warmup()
     rng = random.Random(0)
     for i in range(num_requests):
