@@ -1,5 +1,6 @@
-"""Command line: `python -m jaxserve generate "prompt" [--max-tokens N] [--temperature T]`, and
-`python -m jaxserve launch --num-processes N -- SCRIPT ARGS` (one engine over N processes)."""
+"""Command line: `python -m jaxserve generate "prompt" [--max-tokens N] [--temperature T]`,
+`python -m jaxserve launch --num-processes N -- SCRIPT ARGS` (one engine over N processes), and
+`python -m jaxserve launch --prefill N --decode M -- scripts/serve.py ARGS` (disaggregated)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.launch import launch as run
+from jaxserve.launch import launch_disaggregated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto")
     launch = sub.add_parser("launch", help="run a script (e.g. scripts/serve.py) as N processes "
                                            "of one engine on this machine")
-    launch.add_argument("--num-processes", type=int, required=True)
+    launch.add_argument("--num-processes", type=int, default=None)
+    launch.add_argument("--prefill", type=int, default=None,
+                        help="disaggregated serving: this many prefill engine processes "
+                             "(with --decode), and one front on the script's ports")
+    launch.add_argument("--decode", type=int, default=None,
+                        help="disaggregated serving: this many decode engine processes")
     launch.add_argument("--cpu-devices-per-process", type=int, default=None,
                         help="on a CPU: devices to force in each process")
     launch.add_argument("--coordinator-port", type=int, default=None,
@@ -38,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command == "launch":
         script = args.script[1:] if args.script[:1] == ["--"] else args.script
+        if (args.prefill is None) != (args.decode is None) or (
+                (args.prefill is None) == (args.num_processes is None)):
+            ap.error("launch: give --num-processes, or --prefill and --decode")
+        if args.prefill is not None:
+            return launch_disaggregated(args.prefill, args.decode, script)
         return run(args.num_processes, script, args.cpu_devices_per_process,
                    args.coordinator_port)
 

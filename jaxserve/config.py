@@ -53,6 +53,12 @@ class LayerLoop(enum.StrEnum):
     UNROLL = "unroll"  # L layer bodies reading their weights in place: faster, slower to compile
 
 
+class Role(enum.StrEnum):
+    BOTH = "both"  # prefill and decode in this engine (colocated)
+    PREFILL = "prefill"  # prompts and first tokens; K/V handed over (engine/handover.py)
+    DECODE = "decode"  # takes over prefilled requests and decodes them
+
+
 class Quantization(enum.StrEnum):
     AUTO = "auto"  # a GGUF's block-quantized projections stay in their blocks (kernels/quant.py)
     NONE = "none"  # every weight expanded to the float dtype at load
@@ -100,6 +106,13 @@ class EngineConfig:
         1, "independent engine replicas, each on its own group of tensor_parallel_size "
            "devices, behind one front; a router sends each request to the replica holding "
            "its prompt's prefix, else to the least-loaded one")
+    role: Role = option(
+        Role.BOTH, "disaggregated serving: 'prefill' computes prompts and first tokens and "
+                   "keeps each request's KV blocks until a decode engine takes them over; "
+                   "'decode' takes over prefilled requests and decodes them; 'both' does all")
+    handover_host: str = option(
+        "127.0.0.1", "address a prefill engine's K/V transfer server listens on (decode "
+                     "engines on other machines pull from it)")
     strict_compile: bool = option(False, "raise if any program compiles after warmup()")
     decode_steps: int | None = option(
         None, "most decode steps one call of the step program runs when every running "
@@ -179,7 +192,7 @@ class EngineConfig:
         for name, kind in (("attention_backend", AttentionBackend), ("layer_loop", LayerLoop),
                            ("quantization", Quantization),
                            ("scheduling_policy", SchedulingPolicy),
-                           ("preemption_mode", PreemptionMode)):
+                           ("preemption_mode", PreemptionMode), ("role", Role)):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, kind(value))

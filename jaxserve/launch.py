@@ -1,4 +1,5 @@
-"""Start one engine as several processes on this machine (runtime/distributed.py).
+"""Start one engine as several processes on this machine (runtime/distributed.py), or the
+processes of disaggregated serving (serving/disagg.py).
 
 `python -m jaxserve launch --num-processes 2 --cpu-devices-per-process 2 -- scripts/serve.py
 --tensor-parallel-size 4` runs the script once per process, each told the coordinator address,
@@ -38,7 +39,7 @@ def launch(num_processes: int, command: list[str], cpu_devices_per_process: int 
     if not command:
         raise ValueError("give the script to run, e.g. -- scripts/serve.py ...")
     address = f"127.0.0.1:{coordinator_port or free_port()}"
-    procs = []
+    runs = []
     for i in range(num_processes):
         env = dict(os.environ, **{ENV["coordinator_address"]: address,
                                   ENV["num_processes"]: str(num_processes),
@@ -49,9 +50,39 @@ def launch(num_processes: int, command: list[str], cpu_devices_per_process: int 
             env["XLA_FLAGS"] = " ".join(
                 flags + [f"--xla_force_host_platform_device_count={cpu_devices_per_process}"])
             env.setdefault("JAX_PLATFORMS", "cpu")
+        runs.append((f"process {i} of {num_processes}", command, env,
+                     f" (coordinator {address})"))
+    return _run(runs)
+
+
+def launch_disaggregated(num_prefill: int, num_decode: int, command: list[str]) -> int:
+    """`num_prefill` prefill and `num_decode` decode engines, each `command` with --role and
+    a free socket port (HTTP off), and one front: `command` as given (its ports are the
+    clients'), told the engines' addresses (serving/disagg.py)."""
+    for name, n in (("prefill", num_prefill), ("decode", num_decode)):
+        if n < 1:
+            raise ValueError(f"{name} must be positive, got {n}")
+    if not command:
+        raise ValueError("give the script to run, e.g. -- scripts/serve.py ...")
+    runs, addresses = [], {"prefill": [], "decode": []}
+    for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+        for i in range(n):
+            port = free_port()
+            addresses[role].append(f"127.0.0.1:{port}")
+            runs.append((f"{role} {i}", [*command, "--role", role, "--host", "127.0.0.1",
+                                         "--port", str(port), "--http-port", "0"],
+                         dict(os.environ), f" (127.0.0.1:{port})"))
+    runs.append(("front", [*command, "--prefill-engines", *addresses["prefill"],
+                           "--decode-engines", *addresses["decode"]], dict(os.environ), ""))
+    return _run(runs)
+
+
+def _run(runs: list[tuple[str, list[str], dict, str]]) -> int:
+    """Start (name, command, environment, note) each, relay SIGINT/SIGTERM, wait for all."""
+    procs = []
+    for name, command, env, note in runs:
         procs.append(subprocess.Popen([sys.executable, *command], env=env))
-        print(f"[launch] process {i} of {num_processes}: pid {procs[-1].pid} (coordinator "
-              f"{address})", file=sys.stderr, flush=True)
+        print(f"[launch] {name}: pid {procs[-1].pid}{note}", file=sys.stderr, flush=True)
 
     def relay(signum, _frame):
         for p in procs:

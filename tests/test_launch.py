@@ -2,6 +2,8 @@
 
 import signal
 
+import pytest
+
 from jaxserve.launch import launch
 from jaxserve.runtime.distributed import ENV, EXIT_PEER_LOST
 
@@ -36,3 +38,14 @@ def test_the_callers_signal_handlers_come_back():
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     launch(1, ["-c", "pass"])
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_disaggregated_launch_checks_its_counts(capsys):
+    from jaxserve.__main__ import main
+    from jaxserve.launch import launch_disaggregated
+
+    with pytest.raises(ValueError, match="^decode must be positive"):
+        launch_disaggregated(1, 0, ["scripts/serve.py"])
+    with pytest.raises(SystemExit):
+        main(["launch", "--prefill", "1", "--", "scripts/serve.py"])
+    assert "give --num-processes, or --prefill and --decode" in capsys.readouterr().err

@@ -5,6 +5,8 @@
     python scripts/bench.py --compare --rate 8            # arrivals: Poisson at 8 req/s
     python scripts/bench.py --sweep max_num_seqs=4,8,16 --sweep rate=2,4              # curves
     python scripts/bench.py --server 127.0.0.1:7070 --concurrency 8          # a running server
+    python scripts/bench.py --server 127.0.0.1:7070 --sweep rate=0.1,0.2,0.4 \
+        --goodput-ttft-s 4 --goodput-tpot-s 0.2        # goodput: the best rate keeping 90%
     python scripts/bench.py --profile-dir traces --profile-steps 20        # XLA profiler trace
 
 Prefix-caching workloads (run each with and without --no-prefix-caching):
@@ -70,6 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--timeline-requests", type=int, default=12,
                    help="requests shown in the step timeline plot")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--goodput-ttft-s", type=float, default=None,
+                   help="goodput mode (with --goodput-tpot-s): report the share of requests "
+                        "within both targets, and over a rate sweep the highest rate keeping "
+                        "90 percent of them")
+    r.add_argument("--goodput-tpot-s", type=float, default=None,
+                   help="goodput mode: the TPOT target")
     return ap.parse_args(argv)
 
 
@@ -104,6 +112,18 @@ def main(argv=None) -> int:
     if args.data_parallel_size > 1 and not args.server:
         raise SystemExit("--data-parallel-size > 1 runs behind a front: start scripts/serve.py "
                          "with it and bench it with --server")
+    slo = (args.goodput_ttft_s, args.goodput_tpot_s)
+    if (slo[0] is None) != (slo[1] is None) or any(t is not None and t <= 0 for t in slo):
+        raise SystemExit("--goodput-ttft-s and --goodput-tpot-s: give both, positive")
+    if args.server and args.sweep and any(set(p) - {"rate"} for p in parse_sweep(args.sweep)):
+        raise SystemExit("--sweep against --server: only rate=... (the engine runs elsewhere)")
+
+    def summarize(res, dur, workload, samples=None):
+        out = report.summarize(res, dur, workload, samples)
+        if slo[0] is not None:
+            out["slo_attainment"] = report.slo_attainment(res, *slo)
+        return out
+
     loaded = None if args.server else load_model(args.model)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -121,12 +141,24 @@ def main(argv=None) -> int:
     payload = {"workload": dataclasses.asdict(wcfg), "args": vars(args)}
     if args.server:
         host, _, port = args.server.rpartition(":")
-        workload = make_workload(wcfg, vocab_size=49152)
-        res, dur = drivers.run_server(int(port), workload, host or "127.0.0.1",
-                                      args.concurrency, progress)
-        summary = report.summarize(res, dur, workload)
-        payload |= {"environment": report.environment(), "summary": summary}
-        print(report.format_table({"server": summary}))
+        points = []
+        for i, params in enumerate(parse_sweep(args.sweep) if args.sweep else [{}]):
+            # new prompts for every point: the server's prefix cache keeps the last point's
+            w = dataclasses.replace(wcfg, seed=wcfg.seed + i, **params)
+            workload = make_workload(w, vocab_size=49152)
+            res, dur = drivers.run_server(int(port), workload, host or "127.0.0.1",
+                                          args.concurrency, progress)
+            points.append({"params": params, "summary": summarize(res, dur, workload)})
+        payload |= {"environment": report.environment(), "summary": points[-1]["summary"],
+                    "sweep": points}
+        print(report.format_table({",".join(f"{k}={v}" for k, v in p["params"].items())
+                                   or "server": p["summary"] for p in points}))
+        if slo[0] is not None and args.sweep:
+            best = report.max_goodput_rate([(p["params"]["rate"],
+                                             p["summary"]["slo_attainment"]) for p in points])
+            payload["max_goodput_rate"] = best
+            print(f"highest rate with 90% of requests within TTFT {slo[0]} s and TPOT "
+                  f"{slo[1]} s: {best} req/s")
     elif args.sweep:
         points = []
         for params in parse_sweep(args.sweep):
@@ -136,7 +168,7 @@ def main(argv=None) -> int:
             workload = make_workload(w, engine.model_config.vocab_size)
             res, dur, samples = drivers.run_engine(engine, workload, progress)
             points.append({"params": params,
-                           "summary": report.summarize(res, dur, workload, samples)})
+                           "summary": summarize(res, dur, workload, samples)})
             print(params, f"{points[-1]['summary']['output_tok_per_s']:.1f} tok/s, TPOT p99 "
                           f"{points[-1]['summary']['tpot_p99_s'] * 1e3:.1f} ms")
         payload |= {"environment": report.environment(engine), "sweep": points}
@@ -159,7 +191,7 @@ def main(argv=None) -> int:
                 concurrency=args.concurrency)
             if profiler:
                 profiler.stop()
-            summaries = {"jaxserve": report.summarize(res, dur, workload, samples)}
+            summaries = {"jaxserve": summarize(res, dur, workload, samples)}
             _plot(plots.plot_distributions, {"jaxserve": res}, out("latency.png"))
         shown = [r.request_id for r in workload[:args.timeline_requests]]
         _plot(plots.plot_timeline, engine.step_trace[:200], out("timeline.png"),

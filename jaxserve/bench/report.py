@@ -66,6 +66,25 @@ def summarize(results: list[RequestMetrics], duration_s: float, workload: list[B
     return out
 
 
+def slo_attainment(results: list[RequestMetrics], ttft_s: float, tpot_s: float) -> float:
+    """DistServe's goodput measure: the share of requests (refused ones count as misses) whose
+    TTFT is within `ttft_s` and whose TPOT (when it has one) is within `tpot_s`."""
+    met = sum(r.error is None and r.ttft is not None and r.ttft <= ttft_s
+              and (r.tpot is None or r.tpot <= tpot_s) for r in results)
+    return met / len(results) if results else 0.0
+
+
+def max_goodput_rate(points: list[tuple[float, float]], share: float = 0.9) -> float | None:
+    """The highest offered rate at which the attainment stays at or above `share` at that rate
+    and at every lower rate tried ((rate, attainment) pairs); None if even the lowest misses."""
+    best = None
+    for rate, attained in sorted(points):
+        if attained < share:
+            break
+        best = rate
+    return best
+
+
 _TABLE_ROWS = [("completed req/s", "completed_req_per_s", 1), ("output tok/s", "output_tok_per_s",
                                                                   1),
                ("prompt tok/s", "prompt_tok_per_s", 1), ("TTFT p50 (s)", "ttft_p50_s", 1),
@@ -84,7 +103,8 @@ _TABLE_ROWS = [("completed req/s", "completed_req_per_s", 1), ("output tok/s", "
                ("spec accepted (tok)", "spec_accepted_tokens", 1),
                ("spec acceptance", "spec_acceptance_rate", 1),
                ("spec steps", "spec_steps", 1),
-               ("tok/s vs jaxserve", "throughput_ratio_vs_jaxserve", 1)]
+               ("tok/s vs jaxserve", "throughput_ratio_vs_jaxserve", 1),
+               ("SLO attainment", "slo_attainment", 1)]
 
 
 def format_table(summaries: dict[str, dict[str, Any]]) -> str:

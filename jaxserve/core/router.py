@@ -43,6 +43,7 @@ class Router:
         self._names: list[OrderedDict[BlockHash, None]] = [OrderedDict()
                                                            for _ in range(num_replicas)]
         self._owner: dict[str, int] = {}  # request id -> replica, until it finishes
+        self.down: set[int] = set()  # replicas gone for good: never chosen again
         self._lock = threading.Lock()  # fronts route on one thread, replicas finish on others
 
     def route(self, request_id: str, prompt_token_ids: list[int] | None = None,
@@ -58,12 +59,14 @@ class Router:
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            least = min(range(len(self.loads)),
-                        key=lambda i: (self.loads[i].in_flight, self.loads[i].routed))
+            up = [i for i in range(len(self.loads)) if i not in self.down]
+            if not up:
+                raise RuntimeError("every replica is down")
+            least = min(up, key=lambda i: (self.loads[i].in_flight, self.loads[i].routed))
             best, hit = least, 0
             if names:
-                hits = [self._matched(i, names) for i in range(len(self.loads))]
-                best = max(range(len(hits)), key=lambda i: (hits[i], -self.loads[i].in_flight))
+                hits = {i: self._matched(i, names) for i in up}
+                best = max(up, key=lambda i: (hits[i], -self.loads[i].in_flight))
                 hit = hits[best]
                 too_busy = (self.loads[best].in_flight - self.loads[least].in_flight
                             > self.balance_slack)

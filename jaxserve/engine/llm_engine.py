@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, Role
 from jaxserve.core.block_hash import check_salt
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
@@ -39,6 +39,7 @@ from jaxserve.core.speculative import (
 )
 from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from jaxserve.engine.handover import Handover
 from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
@@ -164,6 +165,12 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else jax.default_backend() != "cpu")
+        # disaggregated serving (engine/handover.py); a prefill engine parks a request as its
+        # first token comes back, so no later step may have been launched for it
+        self.handover = (Handover(self, config.handover_host) if config.role is not Role.BOTH
+                         else None)
+        if config.role is Role.PREFILL:
+            self.async_scheduling = False
         if self.async_scheduling and self.speculator is not None:
             # a proposal continues the tokens on the host, so a speculating sequence could
             # only run every other step; speculation keeps the steps synchronous instead
@@ -198,7 +205,9 @@ class LLMEngine:
             raise
 
     def _add_request(self, request_id, prompt, params, prompt_token_ids, priority, arrival_time,
-                     cache_salt):
+                     cache_salt, admit: bool = True) -> list[Sequence]:
+        """Validate and build the request's sequences; `admit`: queue them for scheduling
+        (else the caller places them: engine/handover.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -223,6 +232,9 @@ class LLMEngine:
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"waiting queue is full (max_waiting_requests={limit})")
         n = params.n
+        if n > 1 and self.handover is not None:
+            raise ValueError(f"n: a {self.config.role} engine takes one sample per request "
+                             f"(the front splits n), got {n}")
         seqs = []
         for i in range(n):  # n > 1: one sequence per sample, named "<request_id>#<i>"
             # (a sample that reads the prompt from the cache cannot score it: the first does)
@@ -253,7 +265,9 @@ class LLMEngine:
         self._prompts[request_id] = prompt
         for seq in seqs:
             self.requests[seq.request_id] = seq
-            self.scheduler.add(seq)
+            if admit:
+                self.scheduler.add(seq)
+        return seqs
 
     def _logits_state(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsState:
         """Check the fields that need the vocabulary and build the request's host state for
@@ -344,6 +358,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        if self.handover is not None:
+            self.handover.forget(request_id)
         seq.metrics.finished_time = time.perf_counter()
         seq.metrics.error = error
         if error is not None:  # what its blocks hold may be wrong: keep no names for them
@@ -395,7 +411,10 @@ class LLMEngine:
         return result
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs) or self._in_flight is not None
+        """Work for step(): requests held for a handover alone are none."""
+        held = self.handover.num_held if self.handover is not None else 0
+        return (len(self.requests) > held or bool(self._pending_outputs)
+                or self._in_flight is not None)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -524,6 +543,8 @@ class LLMEngine:
                 if u.finished:
                     self.metrics.record_finished(u.seq)
                     self.requests.pop(u.seq.request_id, None)
+                elif self.config.role is Role.PREFILL:  # its first token: hold it for a handover
+                    self.handover.park(u.seq)
                 elif u.seq.params.output_kind == "final_only":
                     continue
                 outputs.append(self._output(u))
@@ -578,7 +599,7 @@ class LLMEngine:
             "prefix_cache_evictions": bm.stats.evictions,
             "prefix_cache_host_blocks": swap.num_cached if swap else 0,
             "prefix_cache_host_evictions": swap.num_evictions if swap else 0,
-        } | self._spec_snapshot()
+        } | self._spec_snapshot() | (self.handover.snapshot() if self.handover else {})
 
     def _spec_snapshot(self) -> dict:
         st = self.speculator.stats if self.speculator is not None else SpecStats()

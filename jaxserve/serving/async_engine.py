@@ -111,14 +111,25 @@ class AsyncEngine:
         kwargs = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids,
                       priority=priority, arrival_time=time.perf_counter(),
                       cache_salt=cache_salt)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", stream, kwargs, fut))
-        try:
-            await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:  # the caller is gone (a client that disconnected), but
-            self.abort(request_id)  # the engine may queue the request anyway: abort after it
-            raise
+        await self._add(stream, "add", kwargs)
         return stream
+
+    async def take_over(self, request_id: str, **kwargs) -> tuple[RequestStream, Any]:
+        """A decode engine takes a prefilled request over: engine.handover.reserve(request_id,
+        **kwargs) on the engine thread; its stream and the Reservation (or what it raises)."""
+        stream = RequestStream(request_id, asyncio.get_running_loop(),
+                               self.max_queue_per_request)
+        stream.on_overflow = lambda s: self.abort(s.request_id)
+        return stream, await self._add(stream, "take_over", kwargs)
+
+    async def _add(self, stream: RequestStream, kind: str, kwargs: dict) -> Any:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._send((kind, stream, kwargs, fut))
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the caller is gone (a client that disconnected), but
+            self.abort(stream.request_id)  # the engine may queue it anyway: abort after it
+            raise
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id, None, None))
@@ -157,6 +168,10 @@ class AsyncEngine:
                     self.engine.add_request(a.request_id, **b)
                     self._streams[a.request_id] = a
                     fut.set_result(None)
+                elif kind == "take_over":
+                    reservation = self.engine.handover.reserve(a.request_id, **b)
+                    self._streams[a.request_id] = a
+                    fut.set_result(reservation)
                 elif kind == "abort":
                     self.engine.abort(a)  # its "abort" output comes from the next step()
                 elif kind == "call":

@@ -18,6 +18,7 @@ from jaxserve.engine import data_parallel
 from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
 from jaxserve.runtime import distributed
 from jaxserve.runtime.distributed import DistributedConfig
+from jaxserve.serving.disagg import DisaggSet, FrontConfig, FrontModel
 from jaxserve.serving.server import Server, ServerConfig
 
 logger = logging.getLogger("jaxserve.server")
@@ -29,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_options(ap.add_argument_group("server"), ServerConfig)
     add_options(ap.add_argument_group("several processes (one engine over all their devices; "
                                       "process 0 serves)"), DistributedConfig)
+    add_options(ap.add_argument_group("disaggregated serving (python -m jaxserve launch "
+                                      "--prefill N --decode M starts it all)"), FrontConfig)
     ap.add_argument("--profile-dir", default=None,
                     help="write an XLA profiler trace of --profile-steps engine steps here "
                          "(starting with the first request)")
@@ -47,9 +50,10 @@ def split_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
             from_options(ServerConfig, args, http_port=args.http_port or None))
 
 
-async def serve(engines, server_config: ServerConfig, step_hooks: tuple = ()) -> None:
+async def serve(engines, server_config: ServerConfig, step_hooks: tuple = (),
+                remote=None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down in order."""
-    server = Server(engines, server_config, step_hooks)
+    server = Server(engines, server_config, step_hooks, remote)
     await server.start()
     logger.info("jaxserve listening on %s", server.where())
     stop = asyncio.Event()
@@ -68,6 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
     engine_config, server_config = split_config(args)
+    front = from_options(FrontConfig, args)
+    if front.is_front:  # the engines run elsewhere: serve the clients and route to them
+        remote = DisaggSet(list(front.prefill_engines or ()), list(front.decode_engines or ()),
+                           engine_config.block_size, server_config.max_queue_per_request,
+                           prefix_aware=engine_config.enable_prefix_caching,
+                           api_key=server_config.api_key,
+                           connect_timeout_s=front.engine_connect_timeout_s)
+        asyncio.run(serve(FrontModel(engine_config), server_config, remote=remote))
+        return 0
     dist = distributed.initialize(from_options(DistributedConfig, args))
     if dist.is_multiprocess and engine_config.data_parallel_size > 1:
         raise SystemExit("data_parallel_size > 1 runs in one process; across processes the "

@@ -20,6 +20,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.serving.async_engine import RequestStream
+from jaxserve.serving.disagg import DisaggCollector
 from jaxserve.serving.flow import StallWatch
 from jaxserve.serving.prometheus import PrometheusExporter
 from jaxserve.serving.replicas import ReplicaSet
@@ -75,21 +76,29 @@ class ServingCore:
     """What the fronts share; a front adds its own listener and connections on top."""
 
     def __init__(self, engines: LLMEngine | list[LLMEngine], config: ServerConfig | None = None,
-                 step_hooks: tuple = ()):
+                 step_hooks: tuple = (), remote=None):
         """`engines`: one engine, or the data-parallel replicas of
-        engine/data_parallel.build_replicas (requests are routed among them)."""
+        engine/data_parallel.build_replicas (requests are routed among them). `remote`: engines
+        in other processes (a serving/disagg.py DisaggSet) that serve instead; `engines` then
+        only lends the model's tokenizer and config."""
         engines = engines if isinstance(engines, list) else [engines]
         self.engine = engines[0]  # all replicas share its tokenizer and config
         self.config = config or ServerConfig()
-        router = data_parallel.make_router(engines)
-        self.exporter = PrometheusExporter(router)
+        if remote is not None:
+            self.exporter = PrometheusExporter(remote.router)
+            self.exporter.registry.register(DisaggCollector(remote))
+            self.replicas = remote
+        else:
+            router = data_parallel.make_router(engines)
+            self.exporter = PrometheusExporter(router)
 
-        def on_step(replica, engine, outputs):
-            self.exporter.update(engine, outputs, replica)
-            for hook in step_hooks:  # each: hook(engine, outputs), on the replica's thread
-                hook(engine, outputs)
+            def on_step(replica, engine, outputs):
+                self.exporter.update(engine, outputs, replica)
+                for hook in step_hooks:  # each: hook(engine, outputs), on the replica's thread
+                    hook(engine, outputs)
 
-        self.replicas = ReplicaSet(engines, router, self.config.max_queue_per_request, on_step)
+            self.replicas = ReplicaSet(engines, router, self.config.max_queue_per_request,
+                                       on_step)
         self.draining = False
         self._ids = itertools.count()
         self.stall_watch = StallWatch(self.config.write_stall_timeout_s)
@@ -111,10 +120,10 @@ class ServingCore:
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         try:
             while time.monotonic() < deadline:
-                if not any(await self.replicas.call_all(lambda e: e.num_unfinished_requests)):
+                if not await self.replicas.num_unfinished():
                     break
                 await asyncio.sleep(0.05)
-            await self.replicas.call_all(lambda e: [e.abort(r) for r in list(e.requests)])
+            await self.replicas.abort_all()
         except RuntimeError:  # the engine loop is gone: nothing left to finish
             pass
 
@@ -197,8 +206,7 @@ class ServingCore:
 
     async def stats(self) -> dict:
         """The engines' figures (summed over replicas) plus the server's own."""
-        snap = data_parallel.merge_snapshots(
-            await self.replicas.call_all(lambda e: e.metrics_snapshot()))
+        snap = await self.replicas.snapshot()
         return {**snap, "num_disconnects": self.num_disconnects,
                 "tokens_after_disconnect": self.replicas.tokens_after_disconnect,
                 "num_slow_readers_cut_off": self.stall_watch.num_cut_off}

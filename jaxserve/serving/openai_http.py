@@ -617,9 +617,11 @@ class _Api:
             "owned_by": "jaxserve", "max_model_len": self.server.engine.config.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.server.replicas.is_alive:
-            return web.json_response({"status": "error"}, status=503)
-        return web.json_response({"status": "ok"})
+        replicas = self.server.replicas
+        body = replicas.health()  # with remote engines: each one's state, by name
+        if not replicas.is_alive:
+            return web.json_response({"status": "error"} | body, status=503)
+        return web.json_response({"status": "ok"} | body)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
@@ -671,6 +673,7 @@ class _Api:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text. Behind the API key when one is set, unless `public_metrics`."""
+        await self.server.replicas.poll()
         return web.Response(body=self.server.exporter.render(),
                             content_type="text/plain", charset="utf-8")
 

@@ -144,3 +144,10 @@ def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
     except ValueError as e:  # the message starts with the field's name
         raise ProtocolError("invalid_field", str(e), rid) from None
     return GenerateRequest(rid, prompt, ids, params, priority, stream, salt)
+
+
+def logprob_from_wire(entry: dict | None) -> dict | None:
+    """A logprob entry as the engine keeps it, from its frame form ("top" as pairs)."""
+    if entry is None:
+        return None
+    return entry | {"top": {int(t): lp for t, lp in entry["top"]}}

@@ -13,6 +13,7 @@ from typing import Any
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.router import Router
+from jaxserve.engine import data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.serving.async_engine import AsyncEngine, RequestStream
 
@@ -62,6 +63,16 @@ class ReplicaSet:
             self.router.finished(request_id)
             raise
 
+    async def take_over(self, request_id: str, **kwargs):
+        """A decode engine takes a prefilled request over (AsyncEngine.take_over), counted on
+        the replica the router picks like any request, so its abort finds it."""
+        i = self.router.route(request_id)
+        try:
+            return await self.replicas[i].take_over(request_id, **kwargs)
+        except BaseException:
+            self.router.finished(request_id)
+            raise
+
     def abort(self, request_id: str) -> None:
         i = self.router.owner(request_id)
         if i is not None:  # else it finished already: nothing to abort
@@ -70,3 +81,23 @@ class ReplicaSet:
     async def call_all(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:
         """fn(engine) on every replica's thread between its steps; the results in order."""
         return await asyncio.gather(*(r.call(fn) for r in self.replicas))
+
+    # What the serving core asks of any set of engines (serving/disagg.py has the other).
+
+    async def connect(self) -> None:
+        pass
+
+    def health(self) -> dict:
+        return {}
+
+    async def poll(self) -> None:
+        pass  # the exporter is updated after every step
+
+    async def snapshot(self) -> dict:
+        return data_parallel.merge_snapshots(await self.call_all(lambda e: e.metrics_snapshot()))
+
+    async def num_unfinished(self) -> int:
+        return sum(await self.call_all(lambda e: e.num_unfinished_requests))
+
+    async def abort_all(self) -> None:
+        await self.call_all(lambda e: [e.abort(r) for r in list(e.requests)])

@@ -19,8 +19,8 @@ __all__ = ["Server", "ServerConfig"]
 
 class Server(ServingCore):
     def __init__(self, engines: LLMEngine | list[LLMEngine], config: ServerConfig | None = None,
-                 step_hooks: tuple = ()):
-        super().__init__(engines, config, step_hooks)
+                 step_hooks: tuple = (), remote=None):
+        super().__init__(engines, config, step_hooks, remote)
         self.socket = SocketFront(self)
         self._http_runner = None
         self.socket_port: int | None = None
@@ -28,6 +28,7 @@ class Server(ServingCore):
 
     async def start(self) -> None:
         super().start()
+        await self.replicas.connect()
         cfg = self.config
         self.socket_port = await self.socket.start(cfg.host, cfg.port)
         if cfg.http_port is not None:

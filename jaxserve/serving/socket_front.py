@@ -11,11 +11,13 @@ import asyncio
 import itertools
 from typing import Any
 
+from jaxserve.config import Role
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving.async_engine import RequestStream, StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 from jaxserve.serving.flow import Watched, configure_transport
+from jaxserve.serving.handover_frames import HandoverFrames
 from jaxserve.serving.protocol import (
     CLIENT_TYPES,
     ProtocolError,
@@ -91,6 +93,9 @@ class _Conn:
 class SocketFront:
     def __init__(self, core: ServingCore):
         self.core = core
+        role = core.engine.config.role
+        # a prefill or decode engine also speaks to the front of disaggregated serving
+        self.worker = HandoverFrames(self) if role is not Role.BOTH else None
         self._conn_numbers = itertools.count()
         self._conns: set[_Conn] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -147,9 +152,10 @@ class SocketFront:
                 if msg is None or conn.closed:
                     break
                 kind = msg["type"]
-                if kind not in CLIENT_TYPES:
+                types = CLIENT_TYPES + (self.worker.TYPES if self.worker else ())
+                if kind not in types:
                     conn.error("unknown_type", f"unknown frame type {kind!r}; expected one of "
-                                               f"{list(CLIENT_TYPES)}")
+                                               f"{list(types)}")
                 elif kind == "auth":
                     authed = self.core.authorized(msg.get("api_key"))
                     if authed:
@@ -171,9 +177,12 @@ class SocketFront:
                                    cid if isinstance(cid, str) else None)
                 elif kind == "health":
                     ok = self.core.replicas.is_alive
-                    conn.send({"type": "health", "status": "ok" if ok else "error"})
+                    conn.send({"type": "health", "status": "ok" if ok else "error"}
+                              | self.core.replicas.health())
                 elif kind == "stats":
                     conn.send({"type": "stats", **await self.core.stats()})
+                else:
+                    await self.worker.handle(conn, msg)
                 await conn.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -229,11 +238,16 @@ class SocketFront:
             conn.active.pop(req.id, None)
             conn.error("invalid_request", str(e), req.id)
             return
+        self.start_pump(conn, req.id, engine_id, stream, req.stream)
+
+    def start_pump(self, conn: _Conn, cid: str, engine_id: str, stream: RequestStream,
+                   want_stream: bool) -> None:
+        """Forward a queued request's outputs to its connection as frames."""
         conn.streams[engine_id] = stream
         stream.on_overflow = lambda s: conn.kill()
         if conn.closed:  # the client left while the request was being queued
             conn.left(self.core, engine_id)
-        task = asyncio.create_task(self._pump(conn, req.id, engine_id, stream, req.stream))
+        task = asyncio.create_task(self._pump(conn, cid, engine_id, stream, want_stream))
         conn.tasks.add(task)
         task.add_done_callback(conn.tasks.discard)
 

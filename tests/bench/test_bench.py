@@ -183,3 +183,28 @@ def test_plots_say_what_to_install_without_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     with pytest.raises(plots.PlotsUnavailable, match=r"pip install -e '\.\[bench\]'"):
         plots.pyplot()
+
+
+def test_goodput_counts_requests_within_both_targets_and_finds_the_best_rate():
+    from jaxserve.bench.report import max_goodput_rate, slo_attainment
+    from jaxserve.core.outputs import RequestMetrics
+
+    def req(ttft, gaps, error=None):
+        r = RequestMetrics("r", 0.0, 8, error=error)
+        r.token_times = [ttft + sum(gaps[:i]) for i in range(len(gaps) + 1)]
+        return r
+
+    results = [req(0.5, [0.1, 0.1]), req(0.5, [0.3, 0.3]), req(2.0, [0.1]), req(0.5, []),
+               req(0.1, [0.1], error="refused")]
+    # within 1 s and 0.2 s: the first, and the one-token answer (no TPOT)
+    assert slo_attainment(results, 1.0, 0.2) == 2 / 5
+    assert slo_attainment(results, 3.0, 0.5) == 4 / 5
+    assert max_goodput_rate([(0.4, 0.95), (0.1, 1.0), (0.8, 0.5), (1.6, 0.92)]) == 0.4
+    assert max_goodput_rate([(0.1, 0.2)]) is None
+
+
+def test_goodput_needs_both_targets():
+    from jaxserve.bench.cli import main
+
+    with pytest.raises(SystemExit, match="give both"):
+        main(["--goodput-ttft-s", "1", "--server", "127.0.0.1:1"])

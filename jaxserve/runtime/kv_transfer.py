@@ -1,0 +1,94 @@
+"""Moving a request's KV blocks from one engine's pool to another's (disaggregated serving).
+
+The prefill engine gathers the blocks into fresh arrays and offers them under a number (a
+uuid the front chooses) on its `jax.experimental.transfer` server; the decode engine pulls
+them by that number from the server's address, device to device, and scatters them into its
+own pool. Every pool of the engine moves together (the target's and a draft model's), block i
+of each. A gather or scatter of n blocks runs as one program per power of two in n's binary
+form, so few programs ever compile and no padding is sent. docs/architecture.md says why this
+path rather than one staged through host memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import jax
+import numpy as np
+from jax.experimental import transfer
+
+from jaxserve.runtime.kv_cache import KVCache
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    """(start, size) runs covering range(n), sizes the powers of two of n, largest first."""
+    out, start = [], 0
+    for bit in reversed(range(n.bit_length())):
+        if n >> bit & 1:
+            out.append((start, 1 << bit))
+            start += 1 << bit
+    return out
+
+
+class KVTransfer:
+    def __init__(self, devices: list[jax.Device], host: str = "127.0.0.1"):
+        if len(devices) != 1:
+            raise ValueError("role: a prefill or decode engine runs on one device "
+                             f"(tensor_parallel_size=1), got {len(devices)}")
+        self.device = devices[0]
+        self.server = transfer.start_transfer_server(self.device.client, f"{host}:0",
+                                                     [f"{host}:0"])
+        self._conns: dict[str, transfer.TransferConnection] = {}
+        self._gather = jax.jit(lambda pools, ids: [a[:, ids] for a in jax.tree.leaves(pools)])
+        self._scatter = jax.jit(
+            lambda pools, ids, blocks: jax.tree.unflatten(jax.tree.structure(pools), [
+                a.at[:, ids].set(b) for a, b in zip(jax.tree.leaves(pools), blocks,
+                                                     strict=True)]),
+            donate_argnums=(0,))
+
+    @property
+    def address(self) -> str:
+        return self.server.address()
+
+    def offer(self, pools: tuple[KVCache, ...], block_ids: list[int], uuid: int,
+              timeout_s: float) -> int:
+        """Offer copies of `block_ids` of every pool for one pull under `uuid`; an offer not
+        pulled within `timeout_s` is dropped. Returns the bytes offered."""
+        arrays = []
+        for start, size in _pieces(len(block_ids)):
+            ids = np.asarray(block_ids[start:start + size], np.int32)
+            arrays.extend(self._gather(pools, ids))
+        self.server.await_pull(uuid, arrays, timeout=_deadline(timeout_s))
+        return sum(a.nbytes for a in arrays)
+
+    def pull(self, address: str, uuid: int, pools: tuple[KVCache, ...], num_blocks: int,
+             timeout_s: float) -> list[jax.Array]:
+        """Pull the `num_blocks` blocks offered under `uuid` at `address` (blocking: call it
+        off the engine thread). Raises jax's runtime error when the peer is gone."""
+        conn = self._conns.get(address)
+        if conn is None:
+            conn = self._conns[address] = self.server.connect(address)
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        specs = [jax.ShapeDtypeStruct((a.shape[0], size, *a.shape[2:]), a.dtype,
+                                      sharding=sharding)
+                 for _, size in _pieces(num_blocks) for a in jax.tree.leaves(pools)]
+        arrays = conn.pull(uuid, specs, timeout=_deadline(timeout_s))
+        jax.block_until_ready(arrays)  # a lost peer shows here, not in the engine's step
+        return arrays
+
+    def drop(self, address: str) -> None:
+        """Forget the connection to a peer that failed (the next pull reconnects)."""
+        self._conns.pop(address, None)
+
+    def install(self, pools: tuple[KVCache, ...], block_ids: list[int],
+                arrays: list[jax.Array]) -> tuple[KVCache, ...]:
+        """Scatter pulled blocks into `block_ids` of every pool."""
+        per_piece = len(jax.tree.leaves(pools))
+        for i, (start, size) in enumerate(_pieces(len(block_ids))):
+            ids = np.asarray(block_ids[start:start + size], np.int32)
+            pools = self._scatter(pools, ids, arrays[i * per_piece:(i + 1) * per_piece])
+        return pools
+
+
+def _deadline(timeout_s: float) -> datetime.datetime:
+    return datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)

@@ -1,0 +1,260 @@
+"""Disaggregated serving as a user starts it: `python -m jaxserve launch --prefill 2 --decode 2
+-- scripts/serve.py ...`, real processes and sockets, driven through the official `openai`
+client and the socket protocol. The greedy tokens equal one colocated engine's; the decode
+side finds a shared system prompt in its prefix cache; /metrics carries the handovers' bytes
+and time; a prefill engine killed while it holds a request for its handover, and a decode
+engine killed during a stream, fail only their own requests, with errors naming them; the
+survivors serve on and every block comes back."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.launch import free_port
+from jaxserve.runtime.kv_cache import bytes_per_block
+from jaxserve.serving.client import Client
+from tests.helpers import run_all
+
+openai = pytest.importorskip("openai")
+
+SYSTEM = [(7 * i) % 400 + 3 for i in range(40)]  # a shared system prompt: 5 blocks of 8
+PROMPTS = [SYSTEM + [11, 12, 13], SYSTEM + [21, 22], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+           [300, 301, 302]]
+MAX_TOKENS = 12
+# Long answers (LONG tokens) keep a decode engine busy long enough to kill something meanwhile.
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=2048, num_kv_blocks=600,
+              block_size=8, token_buckets=(16, 32), seq_buckets=(2,), block_buckets=(256,))
+LONG = 1500
+
+
+def _flags(cfg: dict) -> list[str]:
+    out = []
+    for k, v in cfg.items():
+        out += [f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, tuple) else (v,))]
+    return out
+
+
+class Launched:
+    """The launcher and its processes; the front's ports and every process's pid."""
+
+    def __init__(self, model: str):
+        self.http_port = free_port()
+        cache = os.environ.get("JAXSERVE_TEST_XLA_CACHE",
+                               os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve", "launch", "--prefill", "2", "--decode", "2",
+             "--", "scripts/serve.py", "--model", model, "--port", "0", "--http-port",
+             str(self.http_port), "--log-stats-interval-s", "0", "--compilation-cache-dir",
+             cache, *_flags(ENGINE)], stderr=subprocess.PIPE, text=True)
+        self.pids: dict[str, int] = {}
+        self.lines: list[str] = []
+        self.port = None
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if m := re.match(r"\[launch\] (prefill|decode) (\d): pid (\d+)", line):
+                    self.pids[f"{m[1]}-{m[2]}"] = int(m[3])
+                if m := re.search(r"listening on socket 127\.0\.0\.1:(\d+), OpenAI", line):
+                    self.port = int(m[1])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(400) or self.port is None:
+            self.stop()
+            raise RuntimeError("the front did not start:\n" + "".join(self.lines[-40:]))
+        self.url = f"http://127.0.0.1:{self.http_port}"
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="k", max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.url + "/metrics").read().decode()
+        return {s.name + (json.dumps({k: v for k, v in s.labels.items() if k == "engine"})
+                          if s.labels else ""): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def engine_value(self, key: str, engine: str) -> float:
+        return self.metrics().get(f'jaxserve_engine_{key}{{"engine": "{engine}"}}', -1.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_llama_dir):
+    run = Launched(tiny_llama_dir)
+    yield run
+    with Client(port=run.port) as c:  # the front holds nothing once every request ended
+        stats = c.stats()
+    t0 = time.time()
+    run.stop()
+    assert (stats["front_requests"], stats["front_tasks"]) == (0, 0)
+    assert run.proc.returncode is not None and time.time() - t0 < 30
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama_dir):
+    return LLMEngine(EngineConfig(model=tiny_llama_dir, **ENGINE))
+
+
+@pytest.fixture(scope="module")
+def expected(colocated):
+    """The colocated engine's greedy tokens for PROMPTS."""
+    engine = colocated
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt_token_ids=ids, params=SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    done = run_all(engine)
+    return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
+
+
+def _tokens(logprobs) -> list[int]:
+    return [int(t) for t in logprobs.tokens]  # a model without a tokenizer names ids
+
+
+def _ask(client, ids, stream: bool, max_tokens: int = MAX_TOKENS) -> list[int]:
+    kw = dict(model="jaxserve", prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=0,
+              extra_body={"ignore_eos": True})
+    if not stream:
+        return _tokens(client.completions.create(**kw).choices[0].logprobs)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    return [t for c in chunks if c.choices and c.choices[0].logprobs
+            for t in _tokens(c.choices[0].logprobs)]
+
+
+def test_greedy_tokens_equal_the_colocated_engine(launched, expected):
+    client = launched.client()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda a: _ask(client, PROMPTS[a[0]], a[1]),
+                            [(i, s) for s in (False, True) for i in range(len(PROMPTS))]))
+    assert got == expected + expected
+    with Client(port=launched.port) as c:  # the socket protocol, with n = 2 samples
+        done = c.generate(prompt_token_ids=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
+                          ignore_eos=True, n=2)
+    assert [ch["token_ids"] for ch in done["choices"]] == [expected[2]] * 2
+
+
+def test_decode_side_hits_its_prefix_cache_and_metrics_show_handovers(launched, colocated):
+    client = launched.client()
+    _ask(client, SYSTEM + [40, 41, 42], False)  # the system prompt reaches a decode engine
+    before = launched.metrics()
+    _ask(client, SYSTEM + [50, 51, 52], False)
+    after = launched.metrics()
+    assert after["jaxserve_handovers_total"] == before["jaxserve_handovers_total"] + 1
+    # its 5 system-prompt blocks were found by name on the decode side: only the last moved
+    assert (after["jaxserve_handover_blocks_cached_total"]
+            == before["jaxserve_handover_blocks_cached_total"] + 5)
+    assert after["jaxserve_handover_last_bytes"] == bytes_per_block(
+        colocated.model_config, 8, colocated.runner.kv_dtype)
+    hits = [after[f'jaxserve_engine_prefix_cache_hits{{"engine": "decode-{i}"}}']
+            for i in range(2)]
+    assert max(hits) >= 40
+    assert after["jaxserve_handover_bytes_total"] > before["jaxserve_handover_bytes_total"]
+    assert 0 < after["jaxserve_handover_last_seconds"] < 5
+    assert after["jaxserve_handover_seconds_total"] > before["jaxserve_handover_seconds_total"]
+
+
+def _all_blocks_back(launched, engines: list[str]) -> None:
+    deadline = time.time() + 30
+    while any(launched.engine_value(k, e) != 0 for e in engines
+              for k in ("kv_blocks_used", "handover_held", "num_running")):
+        assert time.time() < deadline, launched.metrics()
+        time.sleep(0.05)
+
+
+def test_aborts_refusals_and_disconnects_free_every_block(launched):
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(5000\) exceeds max_model_len"):
+        launched.client().completions.create(model="jaxserve", prompt=[1, 2, 3],
+                                             max_tokens=5000)
+    with Client(port=launched.port) as c:
+        frames = c.generate_stream(prompt_token_ids=SYSTEM + [90], request_id="a",
+                                   max_tokens=LONG, temperature=0, ignore_eos=True)
+        next(frames), next(frames)  # the prefill engine's token, then the decode engine's
+        c.abort("a")
+        last = list(frames)[-1]
+    assert last["finish_reason"] == "abort" and len(last["token_ids"]) < LONG
+    stream = launched.client().completions.create(
+        model="jaxserve", prompt=[91, 92, 93], max_tokens=LONG, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # the client leaves mid-stream
+    _all_blocks_back(launched, ["prefill-0", "prefill-1", "decode-0", "decode-1"])
+
+
+def test_a_prefill_engine_killed_while_holding_a_handover_fails_only_that_request(launched):
+    client = launched.client()
+    # Fill both decode engines (2 sequences each), so the next request waits, prefilled, on
+    # its prefill engine for a decode engine with room.
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        long = [pool.submit(_ask, client, [60 + i, 61, 62], False, LONG) for i in range(4)]
+        deadline = time.time() + 60
+        while sum(launched.engine_value("num_running", f"decode-{i}") for i in range(2)) < 4:
+            assert time.time() < deadline and not any(f.done() for f in long)
+            time.sleep(0.05)
+        waiting = pool.submit(_ask, client, [70, 71, 72, 73], False)
+        holder = None
+        while holder is None:
+            assert time.time() < deadline and not waiting.done()
+            holder = next((f"prefill-{i}" for i in range(2)
+                           if launched.engine_value("handover_held", f"prefill-{i}") == 1),
+                          None)
+            time.sleep(0.02)
+        os.kill(launched.pids[holder], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match=f"the prefill engine {holder} .* is gone"):
+            waiting.result(60)
+        assert all(len(f.result(300)) == LONG for f in long)  # the others finish whole
+    health = urllib.request.urlopen
+    with pytest.raises(urllib.error.HTTPError) as e:
+        health(launched.url + "/health")
+    body = json.loads(e.value.read())
+    assert body["status"] == "error" and body["engines"][holder]["status"] == "gone"
+    assert launched.metrics()[f'jaxserve_engine_up{{"engine": "{holder}"}}'] == 0
+
+
+def test_a_decode_engine_killed_during_a_stream_fails_only_that_stream(launched, expected):
+    client = launched.client()
+    stream = client.completions.create(model="jaxserve", prompt=[80, 81, 82], max_tokens=LONG,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    up, deadline = [], time.time() + 30
+    while not up:  # the decode engine that took it over
+        assert time.time() < deadline
+        up = [f"decode-{i}" for i in range(2)
+              if launched.engine_value("num_running", f"decode-{i}") == 1]
+    os.kill(launched.pids[up[0]], signal.SIGKILL)
+    with pytest.raises(openai.APIError, match=f"the decode engine {up[0]} .* is gone"):
+        for _ in stream:
+            pass
+    # the survivors serve on, as the colocated engine would, and hold no block
+    assert _ask(client, PROMPTS[3], True) == expected[3]
+    m = launched.metrics()
+    alive = [e for e in ("prefill-0", "prefill-1", "decode-0", "decode-1")
+             if m[f'jaxserve_engine_up{{"engine": "{e}"}}'] == 1]
+    assert len(alive) == 2
+    _all_blocks_back(launched, alive)
