@@ -9,8 +9,10 @@ queue is full, 503 while shutting down.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -24,6 +26,8 @@ from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving import responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
+
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -287,6 +291,12 @@ class _Api:
                 await resp.write(done)
         except (ConnectionError, RuntimeError, StreamOverflow):
             pass
+        except Exception as e:  # noqa: BLE001 - building an event failed: end the stream
+            logger.exception("stream %s failed", engine_id)
+            message = f"the server failed building the stream: {type(e).__name__}: {e}"
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await send(error(message) if error else
+                           ApiError(500, message, kind="server_error").body())
         finally:
             self.server.stall_watch.unwatch(watched)
             self.server.client_left(engine_id, stream)  # a no-op once it finished
