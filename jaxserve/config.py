@@ -80,6 +80,14 @@ class EngineConfig:
               "max_num_batched_tokens): a CPU's decode step is compute-bound at a few rows, "
               "so more sequences there each run slower for no more throughput")
     max_num_batched_tokens: int = option(512, "token budget of one step (prefill + decode)")
+    max_held_seqs: int | None = option(
+        None, "with max_num_seqs sequences decoding and token budget to spare, up to this "
+              "many more requests get their prompt computed and their first token sent, "
+              "then hold their KV blocks until a decode slot frees; they are preempted "
+              "before any running sequence (default: max_num_seqs; 0: off)")
+    ttft_target_ms: float | None = option(
+        None, "a request that has waited this long for its first token gets its prefill in "
+              "the next step, ahead of other prompts (default: off)")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(
         None, "KV blocks in the device pool (default: sized from the memory settings)")
@@ -224,6 +232,11 @@ class EngineConfig:
                 1 <= self.decode_steps <= MAX_DECODE_STEPS)):
             raise ValueError(f"decode_steps must be an int in [1, {MAX_DECODE_STEPS}], "
                              f"got {self.decode_steps!r}")
+        if self.max_held_seqs is not None and (not isinstance(self.max_held_seqs, int)
+                                               or self.max_held_seqs < 0):
+            raise ValueError(f"max_held_seqs must be an int >= 0, got {self.max_held_seqs!r}")
+        if self.ttft_target_ms is not None and not self.ttft_target_ms > 0:
+            raise ValueError(f"ttft_target_ms must be positive, got {self.ttft_target_ms}")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:
             raise ValueError(f"priority_aging_s must be positive, got {self.priority_aging_s}")
         if self.prefill_chunk_alignment < 1:
@@ -289,6 +302,20 @@ class EngineConfig:
         return 1 if self.speculative_method else self.decode_steps
 
     @property
+    def held_seqs(self) -> int:
+        """Held prefills (max_held_seqs) as this engine runs them: none in a prefill or
+        decode engine, whose prompts end in a handover, or under static batching."""
+        self._resolved()
+        if self.role is not Role.BOTH or self.scheduling_policy is SchedulingPolicy.STATIC:
+            return 0
+        return self.max_num_seqs if self.max_held_seqs is None else self.max_held_seqs
+
+    @property
+    def max_step_seqs(self) -> int:
+        """The most sequences one step holds: the decode slots and the held prefills."""
+        return min(self.max_num_seqs + self.held_seqs, self.max_num_batched_tokens)
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
@@ -302,7 +329,8 @@ class EngineConfig:
             prefill_chunk_alignment=self.prefill_chunk_alignment,
             preemption_mode=self.preemption_mode,
             token_buckets=token_buckets, decode_steps=self.decode_loop_steps,
-            decode_steps_plain=bool(self.plain_programs))
+            decode_steps_plain=bool(self.plain_programs), max_held_seqs=self.held_seqs,
+            ttft_target_s=None if self.ttft_target_ms is None else self.ttft_target_ms / 1e3)
 
     def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(token, sequence, blocks-per-sequence) buckets; each ends at its limit."""
@@ -314,11 +342,12 @@ class EngineConfig:
         # server: its token count gets a bucket of its own (docs/performance.md has figures).
         tokens = self.token_buckets or (_pow2_range(1, self.max_num_batched_tokens) + mid
                                         + (self.max_num_seqs,))
-        seqs = self.seq_buckets or _pow2_range(1, self.max_num_seqs) + mid
+        seqs = self.seq_buckets or (_pow2_range(1, self.max_step_seqs)
+                                    + _midpoints(self.max_step_seqs) + mid)
         blocks = self.block_buckets or _pow2_range(min(4, self.max_blocks_per_seq),
                                                    self.max_blocks_per_seq)
         tokens = tuple(sorted(set(tokens) | {self.max_num_batched_tokens}))
-        seqs = tuple(sorted(set(seqs) | {self.max_num_seqs}))
+        seqs = tuple(sorted(set(seqs) | {self.max_num_seqs, self.max_step_seqs}))
         blocks = tuple(sorted(set(blocks) | {self.max_blocks_per_seq}))
         return tokens, seqs, blocks
 

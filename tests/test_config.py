@@ -86,7 +86,7 @@ def test_default_buckets_add_the_decode_midpoints_and_keep_one_seq_bucket_per_to
         max_num_seqs, mid):
     from jaxserve.runtime.step_inputs import pick_bucket, seq_bucket
 
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_held_seqs=0)
     tokens, seqs, _ = cfg.buckets()
     pow2 = {1 << i for i in range(10)}
     decode_rows = pow2 | set(mid) | {max_num_seqs}
@@ -96,5 +96,29 @@ def test_default_buckets_add_the_decode_midpoints_and_keep_one_seq_bucket_per_to
         padded = pick_bucket(tokens, n, "tokens")  # its sequences to the same rows, the
         rows = min(x for x in decode_rows if x >= n)  # fewest there are
         assert padded == rows and seq_bucket(seqs, padded) == rows
+    # held prefills: steps of up to max_num_seqs + max_held_seqs sequences (within the
+    # budget); the decode steps' buckets stay as they were
+    held = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)
+    step = min(2 * max_num_seqs, 512)
+    assert held.max_step_seqs == step and held.buckets()[0] == tokens
+    assert set(held.buckets()[1]) == set(seqs) | {x for x in pow2 if x < step} | {
+        x for x in (12, 24, 48, 96, 192, 384) if x < step} | {step}
     # explicit buckets are taken as given (plus the limits)
     assert EngineConfig(max_num_seqs=64, token_buckets=(16, 64)).buckets()[0] == (16, 64, 512)
+
+
+def test_held_prefills_and_the_ttft_target_are_options_checked_by_name():
+    ap = argparse.ArgumentParser()
+    add_options(ap, EngineConfig)
+    cfg = from_options(EngineConfig, ap.parse_args(["--max-held-seqs", "3",
+                                                    "--ttft-target-ms", "250"]))
+    sched = cfg.on_platform("cpu").scheduler_config()
+    assert (sched.max_held_seqs, sched.ttft_target_s) == (3, 0.25)
+    for name, bad in (("max_held_seqs", -1), ("max_held_seqs", 1.5), ("ttft_target_ms", 0)):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: bad})
+    # off where prompts end in a handover, and under static batching
+    for kw in ({"role": "prefill"}, {"role": "decode"}, {"scheduling_policy": "static"}):
+        assert EngineConfig(**kw).on_platform("cpu").scheduler_config().max_held_seqs == 0
+    cpu = EngineConfig().on_platform("cpu")
+    assert cpu.scheduler_config().max_held_seqs == cpu.max_num_seqs

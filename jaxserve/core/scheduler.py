@@ -4,8 +4,16 @@ Every step it decides which sequences run and how many of their tokens, within `
 `max_num_batched_tokens` and the free KV blocks:
 
 1. running sequences that are decoding (one token each), in policy order;
-2. running sequences part-way through their prompt (chunked prefill);
-3. waiting sequences, admitted in policy order while sequences, tokens and blocks last.
+2. waiting sequences past the TTFT target, if one is set, oldest first;
+3. running (then held) sequences part-way through their prompt (chunked prefill);
+4. waiting sequences, admitted in policy order while sequences, tokens and blocks last.
+
+Held prefills: `max_num_seqs` counts decode slots. With the slots full and token budget to
+spare, waiting requests are still admitted, up to `max_held_seqs` of them: their prompts run
+and their first token is sampled, then they hold their blocks (status HELD) until a slot frees
+and they join the running set, best first. A held admission leaves one free block per running
+sequence for its next token, and a sequence short of a block preempts held ones before any
+running one, so held prompts never cost the running ones their progress.
 
 A prompt larger than what is left of the token budget is cut into a chunk that shares the step
 with the decodes; the rest follows in later steps. When a running sequence cannot get a block for
@@ -84,6 +92,10 @@ class SchedulerConfig:
     # Such a step takes only sequences that sample plainly (SamplingParams.samples_plainly):
     # the runner's program for it is plain (EngineConfig.plain_programs).
     decode_steps_plain: bool = False
+    # Requests admitted beyond the max_num_seqs decode slots (see the module docstring).
+    max_held_seqs: int = 0
+    # Seconds a request may wait before its prefill starts ahead of everything but decodes.
+    ttft_target_s: float | None = None
 
     def __post_init__(self):  # plain strings are accepted and normalized
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
@@ -200,11 +212,17 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.held: list[Sequence] = []  # prefilled beyond the decode slots, waiting for one
         self.num_preemptions = 0
         # The prefix cache's host tier: evicted cached blocks spill to the host pool.
         self.host_tier = swap_space is not None and block_manager.enable_caching
 
     # ---------------------------------------------------------------------------- queue state
+
+    @property
+    def admitted(self) -> list[Sequence]:
+        """The running and held sequences: those that hold device blocks."""
+        return self.running + self.held
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -234,6 +252,8 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(scheduled=[])
         budget = cfg.max_num_batched_tokens
+        if self.held and len(self.running) < cfg.max_num_seqs:
+            self._promote_held(now)
         self._sort(self.running, now)
         if cfg.policy is SchedulingPolicy.PRIORITY:
             self._preempt_for_priority(now, budget, out)
@@ -244,6 +264,7 @@ class Scheduler:
         decodes, partial = [], []
         for s in self.running:
             (decodes if s.is_decoding else partial).append(s)
+        partial += [s for s in self.held if not s.is_decoding]
         scheduled_ids: set[str] = set()
         block_size = bm.block_size
         running = SequenceStatus.RUNNING
@@ -276,9 +297,11 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, start, n, True, False, drafts or None))
             scheduled_ids.add(seq.request_id)
             budget -= n
+        if cfg.ttft_target_s is not None and self.waiting and budget > 0 and not out.preempted:
+            budget = self._admit(self._overdue(now), budget, now, scheduled_ids, out)
         budget = self._fit_bucket(cfg.max_num_batched_tokens - budget, budget, partial)
         for seq in partial:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status not in (SequenceStatus.RUNNING, SequenceStatus.HELD):
                 continue  # preempted earlier in this loop
             n = self._chunk(seq, budget)
             if n == 0:
@@ -292,8 +315,20 @@ class Scheduler:
 
         if len(out.preempted) > num_priority_preemptions:
             return out  # memory is short for the running ones: admit nothing new this step
-        for seq in self._admission_order(now):
-            if len(self.running) >= cfg.max_num_seqs or budget <= 0:
+        self._admit(self._admission_order(now), budget, now, scheduled_ids, out)
+        if cfg.decode_steps > 1:
+            self._run_ahead(out, len(self.running) - num_finishing)
+        return out
+
+    def _admit(self, candidates: list[Sequence], budget: int, now: float,
+               scheduled_ids: set[str], out: SchedulerOutput) -> int:
+        """Admit `candidates` in order, as decode slots, held slots, tokens and blocks last;
+        the budget left."""
+        cfg, bm = self.config, self.block_manager
+        for seq in candidates:
+            held = len(self.running) >= cfg.max_num_seqs
+            if budget <= 0 or held and (len(self.held) >= cfg.max_held_seqs
+                                        or seq.status is SequenceStatus.SWAPPED):
                 break
             if seq.waits_for is not None:
                 if seq.waits_for.is_prefilling_prompt:
@@ -309,7 +344,8 @@ class Scheduler:
             n = self._chunk(seq, budget, computed)
             need = (bm.blocks_needed(computed + n) - len(cached) - len(seq.block_table)
                     + bm.num_blocks_taken_from_free(cached))
-            if n == 0 or need > bm.num_free_blocks:
+            # a held prompt leaves each running sequence a block for its next token
+            if n == 0 or need > bm.num_free_blocks - (len(self.running) if held else 0):
                 break  # head-of-line: later arrivals do not jump the queue
             if fresh:
                 bm.take_prefix(seq, cached, seq.num_tokens)
@@ -326,15 +362,34 @@ class Scheduler:
             else:
                 self.waiting.remove(seq)
                 self._allocate(seq, seq.num_computed_tokens + n, out)
-            seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-            self.running.append(seq)
+            seq.status = SequenceStatus.HELD if held else SequenceStatus.RUNNING
+            (self.held if held else self.running).append(seq)
             out.scheduled.append(ScheduledSeq.of(seq, n))
+            scheduled_ids.add(seq.request_id)
             budget -= n
-        if cfg.decode_steps > 1:
-            self._run_ahead(out, len(self.running) - num_finishing)
-        return out
+        return budget
+
+    def _overdue(self, now: float) -> list[Sequence]:
+        """Waiting requests with no token yet that have waited past the TTFT target, oldest
+        first."""
+        target = self.config.ttft_target_s
+        late = [s for s in self.waiting if s.num_tokens == s.num_prompt_tokens
+                and now - s.arrival_time >= target]
+        late.sort(key=_BY_ARRIVAL)
+        return late
+
+    def _promote_held(self, now: float) -> None:
+        """Held sequences take the decode slots that are free, best first. (Under priority a
+        waiting request that outranks one then preempts it as it would any running one:
+        held sequences never keep their blocks from a free slot.)"""
+        self._sort(self.held, now)
+        n = self.config.max_num_seqs - len(self.running)
+        for seq in self.held[:n]:
+            seq.status = SequenceStatus.RUNNING
+        self.running += self.held[:n]
+        del self.held[:n]
 
     def _run_ahead(self, out: SchedulerOutput, num_active: int) -> None:
         """Make a step in which all `num_active` running sequences decode (and none waits or
@@ -343,7 +398,7 @@ class Scheduler:
         max_model_len. The blocks for its later tokens come from free blocks only, as a
         proposal's do (its first token's block was taken as in any step, preempting if need
         be); where they run short, so does the sequence's part of the call."""
-        if (self.waiting or self.swapped or len(out.scheduled) != num_active
+        if (self.waiting or self.swapped or self.held or len(out.scheduled) != num_active
                 or not all(_runs_ahead(s, self.config.decode_steps_plain)
                            for s in out.scheduled)):
             return
@@ -457,7 +512,9 @@ class Scheduler:
         buckets = self.config.token_buckets
         if not buckets or budget <= 0 or self.config.prefill_chunk_alignment > 1:
             return budget
-        demand, slots = 0, self.config.max_num_seqs - len(self.running)
+        cfg = self.config
+        demand = 0
+        slots = cfg.max_num_seqs + cfg.max_held_seqs - len(self.running) - len(self.held)
         for seq in partial:
             demand += seq.num_uncomputed_tokens
         for seq in itertools.chain(self.swapped, self.waiting):
@@ -489,11 +546,13 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
                    out: SchedulerOutput) -> bool:
-        """Preempt until `seq` can hold `num_tokens`; False if `seq` itself had to go."""
+        """Preempt until `seq` can hold `num_tokens`, held sequences first; False if `seq`
+        itself had to go."""
         bm = self.block_manager
         now = self.clock()
         while not bm.can_allocate(seq, num_tokens):
-            candidates = [s for s in self.running if s.request_id not in scheduled_ids]
+            candidates = ([s for s in self.held if s.request_id not in scheduled_ids]
+                          or [s for s in self.running if s.request_id not in scheduled_ids])
             victim = max(candidates, key=lambda s: self._key(s, now))
             self._preempt(victim, out)
             if victim is seq:
@@ -520,7 +579,7 @@ class Scheduler:
             free -= need
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
+        (self.held if seq.status is SequenceStatus.HELD else self.running).remove(seq)
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
@@ -545,6 +604,8 @@ class Scheduler:
             return
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.held:
+            self.held.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.swapped:

@@ -12,6 +12,7 @@ from jaxserve.core.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    HELD = "held"  # admitted for its prompt beyond the decode slots; waits for one
     SWAPPED = "swapped"
     FINISHED = "finished"
 

@@ -158,7 +158,7 @@ class LLMEngine:
         self.stat_logger = (StatLogger(config.log_stats_interval_s, time.perf_counter)
                             if config.log_stats_interval_s > 0 else None)
         self._in_flight: _Launched | None = None
-        self._tables = BlockTableRows(config.max_num_seqs, self.runner.buckets[2][-1])
+        self._tables = BlockTableRows(config.max_step_seqs, self.runner.buckets[2][-1])
         # structured output: the tokenizer's grammar form is built at the first use
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self.eos_token_ids)
@@ -579,6 +579,7 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_held": len(self.scheduler.held),  # prefilled, waiting for a decode slot
             "num_swapped": len(self.scheduler.swapped),
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,

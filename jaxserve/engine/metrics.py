@@ -81,6 +81,7 @@ class StatLogger:
         return (f"Avg prompt throughput: {delta('prompt_tokens') / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {delta('generation_tokens') / dt:.1f} tokens/s, "
                 f"Running: {snap['num_running']} reqs, Waiting: {snap['num_waiting']} reqs, "
+                f"Held: {snap['num_held']} reqs, "
                 f"Swapped: {snap['num_swapped']} reqs, "
                 f"KV cache usage: {100 * snap['kv_usage']:.1f}%, "
                 f"Prefix cache hit rate: {100 * hit:.1f}% "

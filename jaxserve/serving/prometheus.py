@@ -46,6 +46,8 @@ class PrometheusExporter:
         self.running = Gauge("jaxserve_num_requests_running", "Requests in the running set",
                              registry=r)
         self.waiting = Gauge("jaxserve_num_requests_waiting", "Requests waiting", registry=r)
+        self.held = Gauge("jaxserve_num_requests_held", "Requests prefilled beyond the decode "
+                          "slots, holding their KV blocks until one frees", registry=r)
         self.swapped = Gauge("jaxserve_num_requests_swapped", "Requests swapped to host",
                              registry=r)
         self.kv_usage = Gauge("jaxserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
@@ -103,6 +105,7 @@ class PrometheusExporter:
                           ("spec_accepted_tokens", self.spec_accepted),
                           ("spec_steps", self.spec_steps))
         self._gauges = (("num_running", self.running), ("num_waiting", self.waiting),
+                        ("num_held", self.held),
                         ("num_swapped", self.swapped), ("kv_blocks_used", self.kv_used),
                         ("prefix_cache_blocks", self.prefix_blocks),
                         ("prefix_cache_host_blocks", self.prefix_host_blocks))

@@ -158,6 +158,64 @@ def test_preemption_recompute_and_swap_resume():
             assert s.scheduler.swap_space.num_used == 0
 
 
+def test_held_prefills_send_first_tokens_beyond_the_decode_slots():
+    def run(held):
+        s = sim(max_num_seqs=2, max_held_seqs=held)
+        for i in range(5):
+            s.add(f"r{i}", 4, 3)
+        steps = []
+        while s.requests:
+            out = s.step()
+            steps.append([x.seq.request_id for x in out.scheduled])
+            if len(steps) == 1:
+                state = ([q.request_id for q in s.scheduler.running],
+                         [q.request_id for q in s.scheduler.held])
+        first = {r: next(i for i, st in enumerate(steps) if r in st) for r in s.finished}
+        assert all(q.output_token_ids == [fake_token(r, k) for k in range(3)]
+                   for r, q in s.finished.items())
+        return steps, state, first
+
+    steps, state, first = run(held=2)
+    # r2 and r3 get their prompts (and first tokens) in the first step; r4 waits, held full
+    assert steps[:4] == [["r0", "r1", "r2", "r3"], ["r0", "r1"], ["r0", "r1"],
+                         ["r2", "r3", "r4"]]
+    assert state == (["r0", "r1"], ["r2", "r3"])
+    _, _, unheld = run(held=0)
+    assert (first["r2"], first["r3"]) == (0, 0) and (unheld["r2"], unheld["r3"]) == (3, 3)
+
+
+def test_a_held_sequence_is_preempted_before_a_running_one():
+    s = sim(num_blocks=7, block_size=4, max_num_seqs=1, max_held_seqs=1)
+    s.add("run", 4, 20)  # grows to 6 blocks
+    s.add("held", 12, 2)  # 3 blocks: taken while one stays free for run's next token
+    s.step()
+    assert [q.request_id for q in s.scheduler.held] == ["held"]
+    s.run()
+    assert s.finished["run"].metrics.num_preemptions == 0
+    assert s.finished["held"].metrics.num_preemptions == 1
+    for rid, seq in s.finished.items():
+        assert seq.output_token_ids == [fake_token(rid, k) for k in range(seq.params.max_tokens)]
+    assert s.block_manager.num_free_blocks == 7
+
+
+def test_a_request_past_the_ttft_target_is_prefilled_in_the_next_step():
+    def first_step_of_late(target):
+        clock = Clock()
+        s = sim(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=16, clock=clock,
+                ttft_target_s=target)
+        s.add("long", 200, 2)  # every step's budget for 12 steps, 8 tokens of the 13th
+        s.step()
+        s.add("late", 4, 2)
+        for t in range(1, 20):
+            clock.t = float(t)
+            if "late" in [x.seq.request_id for x in s.step().scheduled]:
+                return t
+        raise AssertionError("late never ran")
+
+    assert first_step_of_late(None) == 12  # beside the long prompt's last chunk
+    assert first_step_of_late(2.0) == 2  # waited 2 s by then
+
+
 def test_a_step_of_decodes_alone_runs_several_decode_steps():
     s = sim(block_size=4, decode_steps=4)
     s.add("a", 4, 10)
@@ -244,7 +302,9 @@ def workloads(draw):
                preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
                prefill_chunk_alignment=draw(st.sampled_from([1, 4])),
                priority_aging_s=draw(st.sampled_from([None, 3.0])),
-               decode_steps=draw(st.sampled_from([1, 1, 3])))
+               decode_steps=draw(st.sampled_from([1, 1, 3])),
+               max_held_seqs=draw(st.sampled_from([0, 0, 1, 3])),
+               ttft_target_s=draw(st.sampled_from([None, None, 2.0])))
     if draw(st.booleans()):  # steps end on these where that computes fewer padded rows
         budget = cfg["max_num_batched_tokens"]
         cfg["token_buckets"] = tuple(b for b in (1, 2, 4, 8, 12, 16, 32) if b < budget) + (budget,)
@@ -271,6 +331,8 @@ def prompt_of(i: int, n: int) -> list[int]:
 def test_scheduler_invariants(w):
     reqs, cfg, block_size, num_blocks, host, caching = w
     cfg["max_num_seqs"] = min(cfg["max_num_seqs"], cfg["max_num_batched_tokens"])
+    if cfg["policy"] == "static":  # the engine runs no held prefills under static batching
+        cfg["max_held_seqs"] = 0
     clock = Clock()
     s = sim(num_blocks=num_blocks, block_size=block_size, host=host, clock=clock,
             max_model_len=512, enable_caching=caching, **cfg)
@@ -292,15 +354,17 @@ def test_scheduler_invariants(w):
         out = s.step()
         # Limits hold every step.
         assert out.num_tokens <= cfg["max_num_batched_tokens"]
-        assert len(out.scheduled) <= cfg["max_num_seqs"]
+        assert len(out.scheduled) <= cfg["max_num_seqs"] + cfg["max_held_seqs"]
         assert len(s.scheduler.running) <= cfg["max_num_seqs"]
+        assert len(s.scheduler.held) <= cfg["max_held_seqs"]
         assert all(x.num_tokens > 0 for x in out.scheduled)
         # Block accounting is exact; running sequences hold exactly the blocks they need.
         # With caching, reference counts equal the block tables that hold each block.
         check_integrity(s)
-        for seq in s.scheduler.running:
+        live = s.scheduler.admitted
+        for seq in live:
             assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens)
-        held = [b for q in s.scheduler.running for b in q.block_table]
+        held = [b for q in live for b in q.block_table]
         assert len(set(held)) == bm.num_used_blocks
         if not caching:
             assert len(held) == bm.num_used_blocks
@@ -339,26 +403,40 @@ def test_static_batch_is_max_num_seqs_even_when_prompts_exceed_the_budget():
 
 
 def check_integrity(s) -> None:
-    """The device pool (reference counts equal the running block tables) and the host pool."""
-    s.block_manager.check_integrity(s.scheduler.running)
+    """The device pool (reference counts equal the running and held block tables) and the
+    host pool."""
+    s.block_manager.check_integrity(s.scheduler.admitted)
     if s.scheduler.swap_space:
         s.scheduler.swap_space.check_integrity()
 
 
-@pytest.mark.parametrize("mode, host", [("recompute", 0), ("swap", 24), ("recompute", 24)])
-def test_prefix_caching_soak_2000_requests(mode, host):
+@pytest.mark.parametrize("mode, host, held", [("recompute", 0, 0), ("swap", 24, 0),
+                                              ("recompute", 24, 0), ("recompute", 0, 4),
+                                              ("swap", 24, 4)])
+def test_prefix_caching_soak_2000_requests(mode, host, held):
     """2,000 requests, half sharing one of three prefixes, with aborts and a pool small enough
     to preempt (and, with a host pool, to spill cached blocks to the host tier): the integrity
     check holds after every step (reference counts equal the block tables), every slot read
     holds this sequence's own prefix (also after a trip through the host tier), outputs are
-    exact, and every block comes back."""
+    exact, and every block comes back. With held prefills, requests also wait in the held
+    state (prefilled, first token out) and are preempted and aborted there."""
     import random
 
     rng = random.Random(0)
-    s = sim(num_blocks=48, block_size=4, host=host, max_num_seqs=8, max_num_batched_tokens=32,
-            preemption_mode=mode, enable_caching=True)
+    s = sim(num_blocks=64 if held else 48, block_size=4, host=host, max_num_seqs=8,
+            max_num_batched_tokens=32, preemption_mode=mode, enable_caching=True,
+            max_held_seqs=held)
     bm = s.block_manager
+    in_held = {"seen": set(), "preempted": 0, "aborted": 0}  # what happened in the held state
     expected, aborted = {}, set()
+
+    def step():
+        before = {q.request_id for q in s.scheduler.held}
+        preempted = {q.request_id for q in s.step().preempted}
+        check_integrity(s)
+        in_held["preempted"] += len(preempted & before)
+        in_held["seen"] |= {q.request_id for q in s.scheduler.held}
+
     for i in range(2000):
         n = rng.randint(2, 50)
         prompt = prompt_of(i, n) if i % 2 else [4000 + i] * n  # shared prefix, or unique
@@ -366,20 +444,23 @@ def test_prefix_caching_soak_2000_requests(mode, host):
         s.add(f"r{i}", n, out, prompt=prompt)
         expected[f"r{i}"] = out
         if rng.random() < 0.05:
-            victim = rng.choice(list(s.requests))
+            held_ids = [q.request_id for q in s.scheduler.held]
+            victim = rng.choice(held_ids if held_ids and rng.random() < 0.5 else list(s.requests))
+            in_held["aborted"] += victim in held_ids
             s.abort(victim)
             aborted.add(victim)
         if i % 4 == 3:  # arrivals outpace the steps: a queue builds up
-            s.step()
-            check_integrity(s)
+            step()
     while s.requests:
-        s.step()
-        check_integrity(s)
+        step()
     for rid, n in expected.items():
         if rid not in aborted:
             assert s.finished[rid].output_token_ids == [fake_token(rid, k) for k in range(n)]
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
     assert s.scheduler.num_preemptions > 0
+    if held:
+        assert len(in_held["seen"]) > 100 and in_held["preempted"] and in_held["aborted"], (
+            len(in_held["seen"]), in_held["preempted"], in_held["aborted"])
     assert bm.stats.hit_rate > 0.1, bm.stats  # half the prompts share a prefix
     if host:  # the device pool is too small to keep every prefix: some come from the host
         assert bm.stats.host_hits > 0, bm.stats

@@ -12,11 +12,12 @@ from tests.helpers import buckets_from_8, make_engine, run_all
 
 def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
     # The default buckets, from 1: tokens 1, 2, 4, 6 (max_num_seqs), 8 and 16, sequences 1, 2,
-    # 4 and 6, blocks 4 and 8. Each is a program compiled at warmup, so the limits are small.
+    # 4, 6, 8 and 12 (6 decode slots and 6 held prefills), blocks 4 and 8. Each is a program
+    # compiled at warmup, so the limits are small.
     engine = make_engine(tiny_llama_dir, max_num_seqs=6, max_num_batched_tokens=16,
                          max_model_len=128, num_kv_blocks=40, strict_compile=True,
                          token_buckets=None)
-    assert engine.runner.buckets == ((1, 2, 4, 6, 8, 16), (1, 2, 4, 6), (4, 8))
+    assert engine.runner.buckets == ((1, 2, 4, 6, 8, 16), (1, 2, 4, 6, 8, 12), (4, 8))
     engine.warmup()
     compiled = engine.runner.num_compiles
     assert compiled == len(engine.runner.all_programs())
@@ -34,11 +35,13 @@ def test_random_workload_respects_limits_and_never_recompiles(tiny_llama_dir):
                                params=params)
         engine.step()
         engine.block_manager.check_integrity()
+        assert len(engine.scheduler.running) <= 6
         step += 1
     assert engine.runner.num_compiles == compiled
     for rec in engine.step_trace:
         assert rec.num_prefill_tokens + rec.num_decode_tokens <= 16
-        assert len(rec.requests) <= 6
+        assert len(rec.requests) <= 12
+    assert max(len(rec.requests) for rec in engine.step_trace) > 6  # held prefills ran
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -256,3 +259,48 @@ def test_kv_pool_sizing(tiny_llama_dir):
         assert f.runner.num_blocks == e.runner.num_blocks
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         EngineConfig(kv_cache_memory_fraction=1.5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_held_prefills_give_the_unheld_tokens_with_first_tokens_sooner(tiny_llama_dir,
+                                                                       async_scheduling):
+    """With 3 decode slots, 3 held prefills and 10 requests at once, 6 first tokens come in
+    the first steps; the tokens are those of the unheld engine, a request aborted while
+    held returns its blocks, and every block comes back."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(5, 40, 10)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(held, abort=False):
+        engine = make_engine(tiny_llama_dir, max_num_seqs=3, max_held_seqs=held,
+                             async_scheduling=async_scheduling)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt_token_ids=p, params=params)
+        first, done, most_held, step, aborted = {}, {}, 0, 0, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    first.setdefault(out.request_id, step)
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            most_held = max(most_held, engine.metrics_snapshot()["num_held"])
+            engine.block_manager.check_integrity(engine.scheduler.admitted)
+            if abort and aborted is None and engine.scheduler.held:
+                aborted = engine.scheduler.held[-1].request_id
+                assert engine.abort(aborted)
+            step += 1
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        return done, first, most_held, aborted
+
+    want, unheld_first, none_held, _ = run(0)
+    got, first, most_held, _ = run(3)
+    assert none_held == 0 and most_held == 3
+    assert got == want
+    # 3 in the decode slots and 3 held get their first token in the first steps, not 3 alone
+    soon = sorted(first.values())[5]
+    assert soon <= 5 and sum(v <= soon for v in unheld_first.values()) == 3
+    got, _, _, aborted = run(3, abort=True)
+    assert aborted is not None and got[aborted] == want[aborted][:len(got[aborted])]
+    assert {r: t for r, t in got.items() if r != aborted} == {
+        r: t for r, t in want.items() if r != aborted}

@@ -52,7 +52,7 @@ def _greedy(engine: LLMEngine, prompts, max_tokens=40, abort_at: int | None = No
             if out.finished and out.outputs[0].finish_reason != "abort":
                 done[out.request_id] = out.outputs[0].token_ids
         step += 1
-        engine.block_manager.check_integrity(engine.scheduler.running)
+        engine.block_manager.check_integrity(engine.scheduler.admitted)
     return done
 
 
@@ -102,10 +102,12 @@ def test_priority_preempts_a_speculating_request_and_keeps_every_output_exact(ti
                 if out.finished:
                     done[out.request_id] = out.outputs[0].token_ids
             step += 1
-            engine.block_manager.check_integrity(engine.scheduler.running)
+            engine.block_manager.check_integrity(engine.scheduler.admitted)
         return engine, first, done
 
-    kw = dict(max_num_seqs=2, scheduling_policy="priority", async_scheduling=False)
+    # no held prefills: low2's first token would come before high arrives
+    kw = dict(max_num_seqs=2, scheduling_policy="priority", async_scheduling=False,
+              max_held_seqs=0)
     _, _, want = run(**kw)
     engine, first, got = run(spec=True, **kw)
     assert got == want
