@@ -474,7 +474,8 @@ class LLMEngine:
                                         self.config.block_size, self.runner.num_blocks,
                                         self.runner.logits_shape, prev.rows if prev else None,
                                         self.config.spec_tokens, self._tables,
-                                        self.runner.plain_programs, sched.decode_steps)
+                                        self.runner.plain_programs, sched.decode_steps,
+                                        self.config.max_num_seqs)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step

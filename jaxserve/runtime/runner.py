@@ -462,8 +462,13 @@ class ModelRunner:
     # -------------------------------------------------------------------------------- compile
 
     def all_buckets(self) -> list[tuple[int, int, int]]:
+        """(tokens, seqs, blocks) of every program: per token and blocks bucket, the seq bucket
+        of a step within the decode slots and, where it differs, of one with held prefills."""
         tok, seq, blk = self.buckets
-        return [(t, seq_bucket(seq, t), b) for t, b in itertools.product(tok, blk)]
+        slots = self.config.max_num_seqs
+        return list(dict.fromkeys((t, seq_bucket(seq, t, n, slots), b)
+                                  for t, b in itertools.product(tok, blk)
+                                  for n in (slots, slots + 1)))
 
     def all_programs(self) -> list[Program]:
         """Every bucket without proposals, under speculation with K too, and with

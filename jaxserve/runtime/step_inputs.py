@@ -66,11 +66,15 @@ class StepInputs:
                        1 if self.decode is None else self.decode.num_steps)
 
 
-def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int) -> int:
-    """The one sequence bucket of token bucket `t_pad`: a step of at most t_pad tokens has at
-    most min(t_pad, max_num_seqs) sequences (the last seq bucket is max_num_seqs), so tying the
-    two keeps one program per (tokens, blocks) instead of one per (tokens, seqs, blocks)."""
-    return pick_bucket(seq_buckets, min(t_pad, seq_buckets[-1]), "sequences in step")
+def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int, num_seqs: int = 0,
+               slots: int | None = None) -> int:
+    """The sequence bucket of a step of token bucket `t_pad` and `num_seqs` sequences: a step
+    of at most t_pad tokens has at most min(t_pad, S) sequences, so tying the two keeps one
+    program per (tokens, blocks), two where held prefills can join: S is `slots` (the decode
+    slots, max_num_seqs) for a step within them, else the last seq bucket (slots + held)."""
+    within = slots is not None and num_seqs <= slots
+    return pick_bucket(seq_buckets, min(t_pad, slots if within else seq_buckets[-1]),
+                       "sequences in step")
 
 
 def build_step_inputs(
@@ -84,18 +88,20 @@ def build_step_inputs(
     tables: BlockTableRows | None = None,
     plain_programs: bool = False,
     decode_steps: int = 1,
+    slots: int | None = None,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
     row may propose (speculative decoding); a step without proposals gets K = 0. `tables`:
     the block tables kept from earlier steps (else each is copied whole). `plain_programs`:
     the runner has plain programs (a step that qualifies gets `plain`). `decode_steps`: the
-    step's decode steps (SchedulerOutput.decode_steps)."""
+    step's decode steps (SchedulerOutput.decode_steps). `slots`: the decode slots (see
+    seq_bucket)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
     t_pad = pick_bucket(tok_b, num_tokens, "tokens in step")
-    s_pad = seq_bucket(seq_b, t_pad)
+    s_pad = seq_bucket(seq_b, t_pad, num_seqs, slots)
     mb_pad = pick_bucket(blk_b, max(len(s.seq.block_table) for s in scheduled), "blocks per seq")
     if not any(s.drafts for s in scheduled):
         spec_k = 0

@@ -65,6 +65,10 @@ def test_the_sequence_bucket_follows_the_token_bucket():
     # a step of T padded rows holds at most min(T, max_num_seqs) sequences
     assert [seq_bucket((8, 16, 64), t) for t in (8, 16, 32, 512)] == [8, 16, 64, 64]
     assert seq_bucket((2, 4), 2) == 2
+    # with 8 decode slots and held prefills up to 64: a step within the slots pads as before,
+    # one with more sequences to the last bucket
+    assert [seq_bucket((8, 16, 64), t, 8, 8) for t in (8, 16, 512)] == [8, 8, 8]
+    assert [seq_bucket((8, 16, 64), t, 9, 8) for t in (16, 32, 512)] == [16, 64, 64]
     a = seq("a", [1, 2, 3], blocks=[0], temperature=0, logprobs=2)
     inp = build_step_inputs([ScheduledSeq.of(a, 3)], BUCKETS, BLOCK, POOL, SHAPE)
     assert inp.sampling.want_logprobs

@@ -59,7 +59,7 @@ def wait_idle(srv, timeout=30):
     with Client(port=srv.port) as c:
         while time.time() < deadline:
             s = c.stats()
-            if s["num_running"] == s["num_waiting"] == s["kv_blocks_used"] == 0:
+            if s["num_running"] == s["num_waiting"] == s["num_held"] == s["kv_blocks_used"] == 0:
                 return s
             time.sleep(0.05)
     raise AssertionError(f"server not idle: {s}")
@@ -118,6 +118,42 @@ def test_abort_by_frame_and_by_disconnect_free_blocks(server):
     c.close()
     stats = wait_idle(server)
     assert stats["kv_blocks_used"] == 0
+
+
+def test_held_requests_stream_their_first_token_and_free_their_blocks(smollm, expected):
+    """Two decode slots taken by long answers: two more requests get their first token while
+    held; one disconnects and one is aborted while held, a third, held in turn, runs to the
+    end with the tokens it always has, and every block comes back."""
+    srv = RunningServer(LLMEngine(engine_config(max_num_seqs=2, max_held_seqs=2,
+                                                seq_buckets=(4,)), loaded=smollm))
+    long = dict(temperature=0, max_tokens=120, ignore_eos=True)
+    try:
+        runners = [Client(port=srv.port) for _ in range(2)]
+        longs = [r.generate_stream(PROMPTS[i], request_id=f"long{i}", **long)
+                 for r, i in zip(runners, (1, 2), strict=True)]
+        assert all(next(f)["type"] == "token" for f in longs)
+        gone, aborted = Client(port=srv.port), Client(port=srv.port)
+        held = [gone.generate_stream(PROMPTS[3], **long),
+                aborted.generate_stream(PROMPTS[4], request_id="held", **long)]
+        assert all(next(f)["type"] == "token" for f in held)  # their first token, held
+        with Client(port=srv.port) as c:
+            assert c.stats()["num_held"] == 2
+        gone.close()
+        aborted.abort("held")
+        assert list(held[1])[-1]["finish_reason"] == "abort"
+        with Client(port=srv.port) as c:
+            third = c.generate_stream(PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS,
+                                      ignore_eos=True)
+            assert next(third)["type"] == "token"
+            for r, f, i in zip(runners, longs, (1, 2), strict=True):
+                r.abort(f"long{i}")
+                assert list(f)[-1]["finish_reason"] == "abort"
+            assert list(third)[-1]["token_ids"] == expected[PROMPTS[0]][0]
+        for c in (*runners, aborted):
+            c.close()
+        assert wait_idle(srv)["kv_blocks_used"] == 0
+    finally:
+        srv.stop()
 
 
 def test_limits_and_errors_name_the_problem(server):
