@@ -94,13 +94,15 @@ def pack(params, batch_dims: int = 0):
 
 def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
                  shape: tuple[int, ...] | None = None,
-                 layer: jax.Array | int | None = None) -> jax.Array:
+                 layer: jax.Array | int | None = None,
+                 rows: jax.Array | None = None) -> jax.Array:
     """x (M, prod(shape[:contract])) float32 @ the weight `w` (a quantized dict, see
     kernels/quant.py) of `shape` (needed for the packed forms) -> (M, *shape[contract:])
     float32. With `layer`, `w` is a stack of layers' weights on a leading axis and the product
     is with layer `layer` of it, read in place: a scanned model passes its stacks whole
-    instead of slicing (which XLA does as a copy of every layer's weights every step)."""
-    return block_matmul_group(x, [w], contract, [shape], layer)[0]
+    instead of slicing (which XLA does as a copy of every layer's weights every step). With
+    `rows` (an int32 scalar), only x's first `rows` rows are computed; the rest of y is 0."""
+    return block_matmul_group(x, [w], contract, [shape], layer, rows)[0]
 
 
 def _form(w: Mapping) -> tuple[str, list[str]]:
@@ -141,7 +143,8 @@ def _unread(ws: Sequence[Mapping], contract: int, shapes: list, stacked: bool) -
 
 def block_matmul_group(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
                        shapes: Sequence[tuple[int, ...] | None] | None = None,
-                       layer: jax.Array | int | None = None) -> list[jax.Array]:
+                       layer: jax.Array | int | None = None,
+                       rows: jax.Array | None = None) -> list[jax.Array]:
     """[x @ w for w in ws] (as block_matmul, each w of its shape in `shapes`) in one call of
     the kernel: it scales x once and shares all the weights' panels out in one pass, where
     separate calls would each scale x and wait for the helper threads (a layer's q, k and v,
@@ -163,6 +166,8 @@ def block_matmul_group(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
     outs = [jax.ShapeDtypeStruct((x.shape[0], math.prod(s[contract:])), jnp.float32)
             for s in shapes]
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    if rows is not None:  # the kernel reads (layer, rows)
+        index = jnp.stack([index, jnp.asarray(rows, jnp.int32)])
     # Layers (if any) merge into the planes' first axis: the kernel takes L layers' worth.
     forms = [_form(w) for w in ws]
     planes = []
@@ -177,7 +182,8 @@ def block_matmul_group(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
 
 def block_matmul_or_none(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
                          shapes: Sequence[tuple[int, ...] | None] | None = None,
-                         layer: jax.Array | int | None = None) -> list[jax.Array] | None:
+                         layer: jax.Array | int | None = None,
+                         rows: jax.Array | None = None) -> list[jax.Array] | None:
     """block_matmul_group where x and every w are what it reads, in one form, else None
     (models/llama.py's BlockMatmulFn: the step then expands the weights and runs the dots)."""
     if x.dtype != jnp.float32 or not ws:
@@ -185,4 +191,4 @@ def block_matmul_or_none(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
     shapes = _shapes(ws, shapes, layer is not None)
     if _unread(ws, contract, shapes, layer is not None):
         return None
-    return block_matmul_group(x, ws, contract, shapes, layer)
+    return block_matmul_group(x, ws, contract, shapes, layer, rows)

@@ -41,8 +41,8 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMet
 # [(T, N...) per weight] in one call, or None where these weights are not ones it reads in one
 # call (the step then takes them one at a time, and expands a weight it does not read and runs
 # the dot). With a layer index (else None), each weight is a stack of layers' on axis 0.
-BlockMatmulFn = Callable[[jax.Array, list[dict], int, list[tuple[int, ...]], jax.Array | None],
-                         list[jax.Array] | None]
+# (x, weights, contract, shapes, layer[, rows]) -> ys or None: kernels/cpu_matmul.py
+BlockMatmulFn = Callable[..., list[jax.Array] | None]
 LAYER_BLOCKS = "layer_blocks"  # a scanned model's block-matmul weights: split_layer_blocks()
 
 
@@ -237,12 +237,14 @@ def head_blocks(cfg: ModelConfig, params: dict) -> dict | None:
 
 
 def lm_logits(cfg: ModelConfig, x: jax.Array, params: dict,
-              block_matmul: BlockMatmulFn | None = None) -> jax.Array:
+              block_matmul: BlockMatmulFn | None = None,
+              rows: jax.Array | None = None) -> jax.Array:
     """Final hidden states (N, D) -> logits (N, V) float32: through `block_matmul` on the
-    params' HEAD_BLOCKS where both are there, else a dot with head_weight()."""
+    params' HEAD_BLOCKS where both are there, else a dot with head_weight(). `rows`: how many
+    of x's rows are real (the rest padding); block_matmul computes only those, as zeros."""
     if block_matmul is not None and HEAD_BLOCKS in params:
         logits = block_matmul(x, [params[HEAD_BLOCKS]], 1,
-                              [(cfg.hidden_size, cfg.vocab_size)], None)
+                              [(cfg.hidden_size, cfg.vocab_size)], None, rows)
         if logits is not None:
             return logits[0]
     spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"
@@ -298,6 +300,8 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size,
                                                                   cfg.vocab_size), dt)
+        # a step's real sequences come first, padding (no context) after
         logits = None if logits_indices is None else lm_logits(
-            cfg, x[logits_indices], self.variables["params"], self.block_matmul)
+            cfg, x[logits_indices], self.variables["params"], self.block_matmul,
+            jnp.sum(md.context_lens > 0, dtype=jnp.int32))
         return k_pages, v_pages, logits, x

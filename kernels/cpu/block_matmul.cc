@@ -628,7 +628,8 @@ ffi::Error weigh(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
 // model's weights in place instead of slicing (copying) each layer's out of its stack.
 // A group (a layer's q, k and v, or its gate and up) scales x once and shares its panels out
 // in one pass: at a few rows, where a product is short, separate calls would each scale x and
-// wait for the helper threads.
+// wait for the helper threads. A second entry of `layer`, if any, is how many of x's rows
+// to compute (a step's real sequences; the padding rows of y are zeros).
 template <typename Codes>
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
                   ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs args,
@@ -642,7 +643,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
   for (size_t i = 0; i < group.size(); ++i)
     if (auto e = weigh(args, rets, i, xd, layer.typed_data()[0], group[i]); e.failure())
       return e;
-  const int64_t m = xd[0], k = xd[1], blocks = k / KB;
+  const int64_t m = layer.element_count() > 1
+                        ? std::clamp<int64_t>(layer.typed_data()[1], 0, xd[0]) : xd[0];
+  const int64_t k = xd[1], blocks = k / KB;
+  for (auto& pr : group) {
+    std::memset(pr.y + m * pr.n, 0, (pr.m - m) * pr.n * sizeof(float));
+    pr.m = m;
+  }
   if (m == 0) return ffi::Error::Success();
   thread_local QuantizedRows rows;
   rows.xq.resize(m * k), rows.xs.resize(m * blocks), rows.sx.resize(m * blocks);

@@ -174,6 +174,21 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kind, form):
                                       full[lo:hi])
 
 
+@pytest.mark.parametrize("kind, form", CASES)
+def test_rows_computes_the_first_rows_alone(kind, form):
+    """`rows` (traced): y's first rows as the whole product's, bit for bit, and zeros after
+    (a step's padding sequences); more rows than x has means all of them."""
+    rng = np.random.default_rng(78)
+    w, _ = in_form(make_weight(rng, (128, 64), 0, kind), form)
+    x = jnp.asarray(rng.standard_normal((40, 128)), jnp.float32)
+    full = np.asarray(block_matmul(x, w, 1, (128, 64)))
+    run = jax.jit(lambda x, n: block_matmul(x, w, 1, (128, 64), rows=n))
+    for n in (0, 1, 5, 13, 40, 99):
+        got = np.asarray(run(x, jnp.int32(n)))
+        np.testing.assert_array_equal(got[:n], full[:n])
+        assert not got[n:].any()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_shapes(seed):
     rng = np.random.default_rng(50 + seed)
