@@ -22,7 +22,8 @@ jax.monitoring.register_event_listener(
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 engine = LLMEngine(EngineConfig(model=sys.argv[1], max_num_seqs=4, max_num_batched_tokens=32,
                                 max_model_len=64, num_kv_blocks=int(sys.argv[2]),
-                                token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(4,)))
+                                token_buckets=(16, 32), seq_buckets=(4,), block_buckets=(4,),
+                                max_held_seqs=0))
 engine.warmup()
 engine.add_request("a", prompt_token_ids=[5, 9, 22, 7], params=SamplingParams(
     temperature=0.0, max_tokens=6, ignore_eos=True))

@@ -30,7 +30,7 @@ def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
         [sys.executable, "scripts/serve.py", "--model", tiny_llama_dir, "--port", "0",
          "--http-port", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
          "--max-model-len", "128", "--num-kv-blocks", "32", "--token-buckets", "16", "32",
-         "--seq-buckets", "4", "--block-buckets", "8"],
+         "--seq-buckets", "4", "--block-buckets", "8", "--max-held-seqs", "0"],
         stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -73,6 +73,7 @@ def test_sigterm_with_a_stuck_stream_exits_0_within_the_shutdown_timeout(tiny_ll
          "--http-port", str(free_port), "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
          "--max-model-len", "1024", "--num-kv-blocks", "128", "--token-buckets", "16", "32",
          "--seq-buckets", "4", "--block-buckets", "64", "--shutdown-timeout-s", "2",
+         "--max-held-seqs", "0",
          "--write-stall-timeout-s", "600"],
         stderr=subprocess.PIPE, text=True)
     try:
