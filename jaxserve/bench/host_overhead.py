@@ -11,7 +11,9 @@ it). Keeps N requests in flight (a finished one is replaced at once; of mixed pr
 lengths, or, with `--workload decode`, all decoding) and prints, per N, each part's median and
 p99 per step, the host's time per token and the tokens/s. "step" is engine.step() plus the
 requests added before it, timed in a pass of its own without the per-part timers; the parts are
-timed in a second pass over the same workload. With `--decode-steps` above 1 a step where every
+timed in a second pass over the same workload. "idle" is how long the device waited for the
+host before each launch: with `--async` and a device step longer than the host's work, the part
+of the host's work that cannot overlap the device. With `--decode-steps` above 1 a step where every
 sequence decodes runs that many decode steps in one call (EngineConfig.decode_steps).
 `--tiny` times the whole engine instead, its model a tiny random Llama (bench_tiny).
 """
@@ -53,6 +55,8 @@ class ZeroCostRunner:
         self.vocab_size = vocab_size
         self.device_s = device_s
         self._device_free = 0.0  # when the last launched step ends
+        # per launch: how long the device sat idle before it (0 while steps queue up)
+        self.idle: list[float] = []
 
     def dispatch(self, inp: StepInputs) -> tuple[StepOutput, float]:
         loop = inp.decode
@@ -66,7 +70,10 @@ class ZeroCostRunner:
             first = np.where(stops.any(axis=1), stops.argmax(axis=1) + 1, k)
             counts = np.minimum(loop.limit, first).astype(np.int32)
         steps = int(counts.max(initial=1))  # the loop ends when every row has stopped
-        done = max(time.perf_counter(), self._device_free) + self.device_s * steps
+        now = time.perf_counter()
+        if self._device_free:
+            self.idle.append(max(0.0, now - self._device_free))
+        done = max(now, self._device_free) + self.device_s * steps
         self._device_free = done
         return StepOutput(tokens, counts), done
 
@@ -188,11 +195,15 @@ def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
           workload: str = "mixed") -> dict:
     """{"running", "decode_steps", "tokens_per_step", "tok_s", "us_per_token", "ideal_tok_s",
     "p50": {part: ms}, "p99": {part: ms}}. A step of several decode steps counts as one; the
-    ideal is the device's own pace (a token per sequence per `device_ms`; 0: none)."""
+    ideal is the device's own pace (a token per sequence per `device_ms`; 0: none). Besides
+    the parts, "step" (the whole loop) and "idle": how long the device waited for the host
+    before each launch, the host's share that did not overlap a device step of `device_ms`
+    (with none, the whole loop)."""
     engine = make_engine(num_running, loaded, async_scheduling, device_ms / 1e3, decode_steps,
                          full_pool=workload == "decode")
     work = _Workload(engine, num_running, workload)
     work.warm_up(warm_steps)  # reach a steady mix of decodes and prefill chunks
+    engine.runner.idle.clear()
     step_t, tokens = [], 0
     t_start = time.perf_counter()
     for _ in range(steps):
@@ -200,6 +211,7 @@ def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
         tokens += work.step()
         step_t.append(time.perf_counter() - t)
     elapsed = time.perf_counter() - t_start
+    idle = list(engine.runner.idle)
     parts: dict[str, list[float]] = collections.defaultdict(list)
     with _timed_parts(engine, spent := collections.defaultdict(float)):
         for _ in range(steps):
@@ -211,6 +223,7 @@ def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
             for part in PARTS:
                 parts[part].append(spent[part])
     parts["step"] = step_t
+    parts["idle"] = idle or [0.0]
     ms = lambda a, q: float(np.percentile(a, q) * 1e3)
     return {"running": num_running, "decode_steps": decode_steps,
             "tokens_per_step": tokens / steps, "tok_s": tokens / elapsed,
@@ -256,7 +269,7 @@ def format_table(results: list[dict]) -> str:
     head = f"{'ms per step':<12}" + "".join(f"{r['running']:>9} p50 {'p99':>7}"
                                              for r in results)
     lines = [head]
-    for part in (*PARTS, "step"):
+    for part in (*PARTS, "step", "idle"):
         lines.append(f"{part:<12}" + "".join(f"{r['p50'][part]:>13.3f} {r['p99'][part]:>7.3f}"
                                              for r in results))
     lines.append(f"{'tokens/step':<12}" + "".join(f"{r['tokens_per_step']:>21.1f}"

@@ -277,7 +277,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.num_pending and (
                     (done := seq.reaches_length(seq.num_sampled, cfg.max_model_len))
-                    or seq.params.needs_history):
+                    or seq.needs_history):
                 # Its token is on the way (asynchronous scheduling): its last one (done then),
                 # or one its next token's mask or penalties depend on (it sits out a step).
                 num_finishing += done

@@ -33,7 +33,7 @@ class Sequence:
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
                  "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
                  "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next",
-                 "stop_ids", "samples_plainly")
+                 "stop_ids", "samples_plainly", "needs_history")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -71,8 +71,10 @@ class Sequence:
         # The token ids that end it (SamplingParams.stop_ids, set by the engine, which knows
         # EOS): a step of several decode steps checks them on the device.
         self.stop_ids: tuple[int, ...] = ()
-        # SamplingParams.samples_plainly, read by every step (the params are set by now)
+        # SamplingParams.samples_plainly and needs_history, read by every step (the params are
+        # final by now)
         self.samples_plainly = params.samples_plainly
+        self.needs_history = params.needs_history
         # A sibling (parallel sampling, n > 1) whose prompt this one reads from the prefix
         # cache: it is admitted once that sibling's prompt is computed.
         self.waits_for: Sequence | None = None

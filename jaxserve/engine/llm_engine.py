@@ -619,7 +619,8 @@ class LLMEngine:
         ids = seq.output_token_ids
         comp = CompletionOutput(0, seq.text, ids, seq.finish_reason, seq.stop_reason,
                                 seq.logprobs, u.new_text, u.new_token_ids, True, len(ids))
-        prompt = (self._prompts.pop(seq.request_id, None) if seq.is_finished
+        done = u.finished
+        prompt = (self._prompts.pop(seq.request_id, None) if done
                   else self._prompts.get(seq.request_id))
-        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [comp],
-                             seq.is_finished, seq.metrics, seq.prompt_logprobs)
+        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [comp], done,
+                             seq.metrics, seq.prompt_logprobs)

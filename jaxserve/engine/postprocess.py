@@ -18,7 +18,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from jaxserve.core.scheduler import ScheduledSeq, Scheduler
-from jaxserve.core.sequence import Sequence
+from jaxserve.core.sequence import Sequence, SequenceStatus
 
 # (row, index among the row's new tokens, how many top entries) -> {"logprob", "top"}
 LogprobFn = Callable[[int, int, int], dict]
@@ -62,20 +62,30 @@ class Postprocessor:
     def resolve(self, scheduled: list[ScheduledSeq], tokens: Seq[Seq[int]], now: float,
                 logprobs: LogprobFn | None = None) -> list[SeqUpdate]:
         """`tokens[i]`: the tokens row i sampled (empty for a prefill chunk that does not reach
-        its prompt's end). Sequences that finished meanwhile (a stop in the step before, an
-        abort) are skipped: what was computed for them is dropped."""
+        its prompt's end), a list the updates may keep. Sequences that finished meanwhile (a
+        stop in the step before, an abort) are skipped: what was computed for them is
+        dropped."""
         updates = []
         append, append_one, extend = self._append, self._append_one, self._extend
+        finished = SequenceStatus.FINISHED
         for i, s in enumerate(scheduled):
             row = tokens[i]
             if not row:
                 continue
             seq = s.seq
-            if seq.is_finished:
+            if seq.status is finished:
+                continue
+            scored = logprobs is not None and seq.logprobs is not None
+            if len(row) == 1 and s.num_steps == 1 and not (
+                    scored or seq.logits_state is not None or seq.params.stop or s.drafts):
+                try:  # the hot path: a decode row of one token that asks for nothing more
+                    text, done = append_one(seq, row[0], now)
+                    updates.append(SeqUpdate(seq, row, text, done))
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    updates.append(SeqUpdate(seq, row, "", False, f"{type(e).__name__}: {e}"))
                 continue
             update = SeqUpdate(seq, [], "", False)
             try:
-                scored = logprobs is not None and seq.logprobs is not None
                 if scored or seq.logits_state is not None or seq.params.stop:
                     for j, token in enumerate(row):
                         entry = logprobs(i, j, seq.params.logprobs) if scored else None
@@ -83,7 +93,8 @@ class Postprocessor:
                         if update.finished:
                             break  # tokens after a stop are dropped
                 elif len(row) == 1:
-                    append_one(seq, row[0], now, update)
+                    update.new_token_ids.append(row[0])
+                    update.new_text, update.finished = append_one(seq, row[0], now)
                 else:
                     extend(seq, row, now, update)
                 if s.drafts and not update.finished:
@@ -100,9 +111,10 @@ class Postprocessor:
             updates.append(update)
         return updates
 
-    def _append_one(self, seq: Sequence, token: int, now: float, update: SeqUpdate) -> None:
+    def _append_one(self, seq: Sequence, token: int, now: float) -> tuple[str, bool]:
         """_append for a sequence that asks for nothing token by token (no logprobs, grammar
-        or stop strings): its rules without the checks those need."""
+        or stop strings): its rules without the checks those need. Returns the new text and
+        whether the sequence finished."""
         p, out = seq.params, seq.output_token_ids
         out.append(token)
         if seq.num_pending:
@@ -110,25 +122,24 @@ class Postprocessor:
         else:
             seq.num_tokens += 1
         seq.metrics.token_times.append(now)
-        update.new_token_ids.append(token)
+        text = ""
         if token in self.eos_token_ids and not p.ignore_eos:
             reason, stop_reason = "stop", None
         else:
             detok = seq.detok
             if detok is not None and (text := detok.add(token)):
                 seq.text += text
-                update.new_text += text
             if p.stop_token_ids and token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
             elif (len(out) >= p.max_tokens
                   or len(seq.prompt_token_ids) + len(out) >= self.max_model_len):
                 reason, stop_reason = "length", None
             else:
-                return
+                return text, False
         seq.stop_reason = stop_reason
         seq.metrics.finished_time = now
         self.scheduler.finish(seq, reason)
-        update.finished = True
+        return text, True
 
     def _extend(self, seq: Sequence, row: Seq[int], now: float, update: SeqUpdate) -> None:
         """A row of several tokens for a sequence that asks for nothing token by token (no

@@ -1,9 +1,11 @@
-"""Block tables kept on the host between steps, so a step copies only the blocks that are new.
+"""Rows kept on the host between steps: a sequence's block table and its sampling constants.
 
-A sequence keeps one numpy row while it is scheduled step after step. A block table changes in
-place only by appends (core/block_manager.py; anything else gives the sequence a new list), so
-while a row's list is the same object, its first `copied` entries still hold and only the tail
-is copied. A step's (S, MB) table is then one gather of its sequences' rows.
+A sequence keeps one row while it is scheduled step after step (a persistent batch). A block
+table changes in place only by appends (core/block_manager.py; anything else gives the sequence
+a new list), so while a row's list is the same object, its first `copied` entries still hold and
+only the tail is copied. The row's temperature, top-p, top-k and seed are written once, when the
+row is taken. A step's (S, MB) table and its per-row constants are then gathers of its
+sequences' rows.
 """
 
 from __future__ import annotations
@@ -11,38 +13,59 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.sequence import Sequence
 
 
 class BlockTableRows:
-    def __init__(self, num_rows: int, max_blocks: int):
+    def __init__(self, max_step_seqs: int, max_blocks: int):
+        # Rows of the last step's sequences are freed after this step's are taken: twice the
+        # most sequences of a step never run out.
+        num_rows = 2 * max_step_seqs
         self.rows = np.zeros((num_rows, max_blocks), np.int32)  # (rows, MB): zeros past a table
-        # request id -> (its block table list, entries copied, its row)
-        self._held: dict[str, tuple[list[int], int, int]] = {}
+        self.temperature = np.zeros(num_rows, np.float32)
+        self.top_p = np.ones(num_rows, np.float32)
+        self.top_k = np.zeros(num_rows, np.int32)
+        self.seeds = np.zeros(num_rows, np.uint32)
+        # sequence -> [its block table list, entries copied, its row, the last fill it was in]
+        self._held: dict[Sequence, list] = {}
         self._free = list(range(num_rows - 1, -1, -1))
+        self._fills = 0
 
-    def fill(self, scheduled: list[ScheduledSeq], out: np.ndarray) -> None:
+    def fill(self, scheduled: list[ScheduledSeq], out: np.ndarray) -> np.ndarray:
         """out[i] = the block table of scheduled[i], zero past its end (out is (S, MB), zeros,
-        S >= len(scheduled))."""
+        S >= len(scheduled)); returns the sequences' rows, (len(scheduled),) int64, to gather
+        their constants with (`temperature[rows]`...)."""
         held, rows = self._held, self.rows
-        ids = {s.seq.request_id for s in scheduled}
-        for rid in [r for r in held if r not in ids]:  # not in this step: their rows go back
-            _, copied, row = held.pop(rid)
-            rows[row, :copied] = 0
-            self._free.append(row)
+        self._fills += 1
+        mark = self._fills
         index = []
         for s in scheduled:
-            table, rid = s.seq.block_table, s.seq.request_id
-            entry = held.get(rid)
+            seq = s.seq
+            table = seq.block_table
+            entry = held.get(seq)
             if entry is None:
-                row, copied = self._free.pop(), 0
+                row = self._free.pop()
+                entry = held[seq] = [table, 0, row, mark]
+                p = seq.params
+                self.temperature[row] = p.temperature
+                self.top_p[row] = p.top_p
+                self.top_k[row] = p.top_k
+                self.seeds[row] = seq.seed
             else:
-                old, copied, row = entry
-                if old is not table or copied > len(table):
-                    rows[row, :copied] = 0
-                    copied = 0
+                entry[3] = mark
+                if entry[0] is not table or entry[1] > len(table):
+                    rows[entry[2], :entry[1]] = 0
+                    entry[0], entry[1] = table, 0
             n = len(table)
-            if n > copied:
-                rows[row, copied:n] = table[copied:]
-            held[rid] = (table, n, row)
-            index.append(row)
-        out[:len(index)] = rows[index, :out.shape[1]]
+            if n > entry[1]:
+                rows[entry[2], entry[1]:n] = table[entry[1]:]
+                entry[1] = n
+            index.append(entry[2])
+        if len(held) > len(scheduled):  # those not in this step: their rows go back
+            for seq in [q for q, e in held.items() if e[3] != mark]:
+                _, copied, row, _ = held.pop(seq)
+                rows[row, :copied] = 0
+                self._free.append(row)
+        idx = np.array(index, np.int64)
+        out[:len(index)] = rows[idx, :out.shape[1]]
+        return idx

@@ -109,7 +109,8 @@ class StepOutput:
     def rows(self, num_seqs: int) -> list[list[int]]:
         """The tokens of the first `num_seqs` rows, as lists."""
         ids, counts = self.token_ids[:num_seqs].tolist(), self.num_tokens[:num_seqs].tolist()
-        return [row[:n] for row, n in zip(ids, counts, strict=True)]
+        k = self.token_ids.shape[1]
+        return [row if n == k else row[:n] for row, n in zip(ids, counts, strict=True)]
 
     def prompt_entry(self, row: int, k: int) -> dict:
         """The logprob of the prompt token after query `row`: {"logprob", "rank", "top":

@@ -99,11 +99,14 @@ def build_step_inputs(
     seq_bucket)."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
-    num_tokens = sum(s.num_tokens for s in scheduled)
+    ns = np.array([s.num_tokens for s in scheduled], np.int32)
+    starts = np.array([s.start for s in scheduled], np.int32)
+    num_tokens = int(ns.sum())
     t_pad = pick_bucket(tok_b, num_tokens, "tokens in step")
     s_pad = seq_bucket(seq_b, t_pad, num_seqs, slots)
-    mb_pad = pick_bucket(blk_b, max(len(s.seq.block_table) for s in scheduled), "blocks per seq")
-    if not any(s.drafts for s in scheduled):
+    mb_pad = pick_bucket(blk_b, max([len(s.seq.block_table) for s in scheduled]),
+                         "blocks per seq")
+    if not any([s.drafts for s in scheduled]):
         spec_k = 0
 
     input_ids = np.zeros(t_pad, np.int32)
@@ -123,20 +126,20 @@ def build_step_inputs(
     samples = np.zeros(s_pad, bool)
 
     # This runs on the host every step while the device waits: Python touches each sequence
-    # once, and the per-token rows (positions, owners, slots) come from vectorized numpy.
-    ns = np.fromiter((s.num_tokens for s in scheduled), np.int32, num_seqs)
-    starts = np.fromiter((s.start for s in scheduled), np.int32, num_seqs)
+    # in a few list comprehensions; the per-token rows (positions, owners, slots) and the
+    # per-sequence constants (gathered from the rows kept between steps) come from numpy.
     qsl = np.zeros(num_seqs + 1, np.int32)
     np.cumsum(ns, out=qsl[1:])
     query_start_loc[:num_seqs] = qsl[:-1]
     context_lens[:num_seqs] = starts + ns
     logits_indices[:num_seqs] = qsl[1:] - 1
-    if tables is not None:
-        tables.fill(scheduled, block_tables)
-    else:
-        for i, sch in enumerate(scheduled):
-            table = sch.seq.block_table
-            block_tables[i, :len(table)] = table
+    if tables is None:  # a one-off step: rows of its own
+        tables = BlockTableRows(num_seqs, mb_pad)
+    rows = tables.fill(scheduled, block_tables)
+    temperature[:num_seqs] = tables.temperature[rows]
+    top_p[:num_seqs] = tables.top_p[rows]
+    top_k[:num_seqs] = tables.top_k[rows]
+    seeds[:num_seqs] = tables.seeds[rows]
     seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), ns)  # (num_tokens,)
     pos = starts[seq_of_row] + (np.arange(num_tokens, dtype=np.int32) - qsl[:-1][seq_of_row])
     positions[:num_tokens] = pos
@@ -173,11 +176,6 @@ def build_step_inputs(
     prompt_targets = np.full(t_pad, -1, np.int32)
     for r in prompt_rows(scheduled):
         prompt_targets[r.row:r.row + r.count] = r.seq.prompt_token_ids[r.first:r.first + r.count]
-    params = [s.seq.params for s in scheduled]
-    temperature[:num_seqs] = [p.temperature for p in params]
-    top_p[:num_seqs] = [p.top_p for p in params]
-    top_k[:num_seqs] = [p.top_k for p in params]
-    seeds[:num_seqs] = [s.seq.seed for s in scheduled]
     steps[:num_seqs] = [s.seq.num_sampled for s in scheduled]
     samples[:num_seqs] = [s.samples for s in scheduled]
     want_logprobs = any(s.samples and s.seq.params.logprobs is not None for s in scheduled)

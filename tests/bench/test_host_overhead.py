@@ -26,7 +26,7 @@ def test_zero_cost_runner_gives_the_same_outputs_sync_and_async(smollm):
 
 def test_bench_times_every_part(smollm):
     r = bench(8, 6, smollm, warm_steps=2)
-    assert set(r["p50"]) == {*PARTS, "step"}
+    assert set(r["p50"]) == {*PARTS, "step", "idle"}
     assert r["tokens_per_step"] > 0 and r["p50"]["step"] > 0
     # detokenizing is part of postprocessing, step by step
     assert r["p50"]["detokenize"] <= r["p50"]["postprocess"]

@@ -69,7 +69,8 @@ def test_rows_taken_whole_match_token_by_token(smollm):
             if way == "extend":
                 post._extend(seq, row, 1.0, update)
             elif way == "one":
-                post._append_one(seq, row[0], 1.0, update)
+                update.new_token_ids.append(row[0])
+                update.new_text, update.finished = post._append_one(seq, row[0], 1.0)
             else:
                 for token in row:
                     post._append(seq, token, 1.0, None, update)
