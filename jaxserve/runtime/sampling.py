@@ -97,6 +97,17 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:  # (..., V) -> (...) int32
+    """jnp.argmax over the last axis (the first of equal maxima), as two plain reductions: a
+    max, then the least index holding it. XLA:CPU runs argmax's (value, index) reduction one
+    element at a time, an order of magnitude slower at a vocabulary's width. A row whose max
+    is NaN gets the last id."""
+    v = logits.shape[-1]
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.minimum(jnp.min(jnp.where(logits == best, ids, v), axis=-1), v - 1)
+
+
 def row_keys(si: SamplingInputs) -> jax.Array:
     """Each row's key: its request's seed and the index of the draw in its stream."""
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(si.seeds, si.steps)
@@ -150,7 +161,7 @@ def sample(logits: jax.Array, si: SamplingInputs, max_logprobs: int,
     not hold it), the random draw only when a row samples, and the log-softmax and top-k
     logprobs only when a row asked for them (on a CPU each of these costs as much as a layer or
     more at 64 rows)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     sampled_rows = si.temperature > 0
 
     def draw(_):
@@ -171,7 +182,7 @@ def sample_plain(logits: jax.Array, si: SamplingInputs, max_logprobs: int) -> Sa
     min_p or logprobs), with no runtime branch: the draw is made for every row. Its tokens
     are sample()'s for such rows."""
     s = logits.shape[0]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     drawn = jax.vmap(jax.random.categorical)(row_keys(si), _scaled(logits, si))
     tokens = jnp.where(si.temperature > 0, drawn.astype(jnp.int32), greedy)
     return SamplerOutput(tokens[:, None], si.samples.astype(jnp.int32),

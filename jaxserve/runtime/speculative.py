@@ -39,6 +39,7 @@ from jaxserve.runtime.kv_cache import KVCache
 from jaxserve.runtime.sampling import (
     SamplerOutput,
     SamplingInputs,
+    greedy_tokens,
     logprobs_of,
     row_keys,
     sampling_logits,
@@ -85,11 +86,11 @@ def verify(x: jax.Array, idx: jax.Array, first: jax.Array, spec: SpecInputs,
         return jnp.concatenate([first[:, None], rest], axis=1)
 
     def argmax_gathered():
-        return jnp.concatenate([jnp.argmax(first, axis=-1)[:, None],
-                                jnp.argmax(x, axis=-1)[idx[:, 1:]]], axis=1)
+        return jnp.concatenate([greedy_tokens(first)[:, None],
+                                greedy_tokens(x)[idx[:, 1:]]], axis=1)
 
-    greedy = jax.lax.cond(spec.masked, lambda: jnp.argmax(processed(), axis=-1),
-                          argmax_gathered).astype(jnp.int32)  # (S, K1)
+    greedy = jax.lax.cond(spec.masked, lambda: greedy_tokens(processed()),
+                          argmax_gathered)  # (S, K1)
     # the proposal each position checks (the last position has none: its token is a bonus)
     drafts = jnp.concatenate([spec.draft_tokens, jnp.zeros((s, 1), jnp.int32)], axis=1)
     has_draft = pos[None, :] < spec.num_drafts[:, None]  # (S, K1)
@@ -153,7 +154,7 @@ def draft_proposals(run_draft: DraftFn, kv: KVCache, ids: jax.Array, md: Attenti
             block_tables=md.block_tables, context_lens=jnp.where(active, positions + 1, 0),
             query_start_loc=jnp.arange(s + 1, dtype=jnp.int32))
         kv, logits = run_draft(kv, tokens, row_md, True)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = greedy_tokens(logits)
         return kv, tokens, drafts.at[:, j].set(jnp.where(active, tokens, 0))
 
     first = ids[spec.verify_rows[:, 0]]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runtime.sampling import SamplingInputs, _filtered_logits, sample
+from jaxserve.runtime.sampling import SamplingInputs, _filtered_logits, greedy_tokens, sample
 
 
 def inputs(s, temperature=0.0, top_p=1.0, top_k=0, seeds=None, steps=None, samples=None,
@@ -35,6 +35,23 @@ def test_greedy_tokens_logprobs_and_layout():
     np.testing.assert_allclose(out.logprobs[:, 0], np.log([0.6, 0.5]), rtol=1e-5)
     np.testing.assert_array_equal(out.top_ids[0, 0], [1, 2, 0])
     np.testing.assert_allclose(out.top_logprobs[0, 0], np.log([0.6, 0.2, 0.1]), rtol=1e-5)
+
+
+def test_greedy_tokens_equal_argmax_with_ties_and_infinities():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, (64, 3, 50)).astype(np.float32)  # many ties: the first one wins
+    x[0] = -np.inf  # a row with nothing allowed
+    x[1, 0, 7] = np.inf
+    x[2, 1, :] = np.float32(3.5)
+    want = np.argmax(x, axis=-1)
+    got = jax.jit(greedy_tokens)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want)
+    wide = rng.standard_normal((5, 49152)).astype(np.float32)  # a real vocabulary's width
+    np.testing.assert_array_equal(greedy_tokens(jnp.asarray(wide)), np.argmax(wide, axis=-1))
+    nan = np.zeros((1, 8), np.float32)
+    nan[0, 3] = np.nan
+    assert 0 <= int(greedy_tokens(jnp.asarray(nan))[0]) < 8  # an id, whatever the model did
 
 
 def draws(n, **kw):
