@@ -163,6 +163,8 @@ class AsyncEngine:
                 kind, a, b, fut = self._cmds.get_nowait()
             except queue.Empty:
                 return
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue  # its caller is gone (cancelled while it waited): nothing to do
             try:
                 if kind == "add":
                     self.engine.add_request(a.request_id, **b)
