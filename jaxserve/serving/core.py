@@ -52,7 +52,8 @@ class ServerConfig:
                                              "recently used go first; 0: none)")
     max_stored_response_bytes: int = option(64 << 20, "bytes of JSON the kept responses may "
                                                       "hold (least recently used go first)")
-    model_name: str = option("jaxserve", "the model id /v1/models reports and requests name")
+    model_name: str = option("jaxserve", "the model id /v1/models reports and requests name",
+                             aliases=("--served-model-name",))
 
     def __post_init__(self):
         for name in ("max_frame_bytes", "max_concurrent_per_connection", "max_queue_per_request",
