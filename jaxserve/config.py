@@ -47,6 +47,7 @@ DECODE_STEPS = 8  # decode_steps's default on an accelerator
 CPU_DECODE_STEPS = 1  # ... and on a CPU (see the field's help)
 MAX_DECODE_STEPS = 64
 SPECULATIVE_METHODS = (None, "ngram", "draft_model")
+POOLINGS = ("mean", "last")
 # vLLM's speculative_config keys -> the flat fields they set
 SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "model": "speculative_model",
                            "num_speculative_tokens": "num_speculative_tokens",
@@ -205,6 +206,11 @@ class EngineConfig:
         True, "choose each step's number of proposed tokens (0 included) from the batch, the "
               "token budget, the acceptance rate and the step times seen so far, so "
               "speculation stops where the batch is compute-bound; off: always the most")
+    pooling: str = option(
+        "mean", "how /v1/embeddings and LLM.embed pool an input's final hidden states: mean "
+                "(over every token; such a request reads no blocks from the prefix cache, "
+                "whose tokens' hidden states are not kept) or last (the last token's, which "
+                "is computed even when the rest comes from the cache)")
     speculative_config: dict | None = option(
         None, "vLLM's spelling of the speculative fields, as a JSON object: method, model, "
               "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min (a model without "
@@ -265,6 +271,9 @@ class EngineConfig:
             raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, "
+                             f"got {self.pooling!r}")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of "
                              f"{', '.join(map(str, SPECULATIVE_METHODS))}, "
