@@ -257,6 +257,10 @@ class SocketFront:
             conn.active.pop(req.id, None)
             conn.error("invalid_request", str(e), req.id)
             return
+        except Exception as e:  # noqa: BLE001 - e.g. a dead engine loop: this request fails
+            conn.active.pop(req.id, None)
+            conn.error("internal_error", f"{type(e).__name__}: {e}", req.id)
+            return
         self.start_pump(conn, req.id, engine_id, stream, req.stream)
         if engine_id in conn.abort_queued:
             conn.abort_queued.discard(engine_id)
