@@ -128,3 +128,16 @@ def test_a_preempted_mean_starts_again_and_stays_exact(tiny_models):
     np.testing.assert_allclose(done["e"].embedding, _reference(hf_model, prompt).mean(0),
                                atol=1e-4, rtol=1e-4)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_tensor_parallel_gives_the_same_pooled_states(tiny_models):
+    """The step's outputs are replicated: under tp 2 each row's pooled state is whole."""
+    path, hf_model = tiny_models["llama"]
+    prompt = np.random.default_rng(9).integers(3, 1000, 30).tolist()
+    engine = _engine(path, tensor_parallel_size=2)
+    engine.add_embedding_request("m", prompt_token_ids=prompt, pooling="mean")
+    engine.add_embedding_request("l", prompt_token_ids=prompt, pooling="last")
+    done = run_all(engine)
+    ref = _reference(hf_model, prompt)
+    np.testing.assert_allclose(done["m"].embedding, ref.mean(0), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(done["l"].embedding, ref[-1], atol=1e-4, rtol=1e-4)
