@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
 import types
 import typing
 from typing import Any
@@ -46,6 +47,12 @@ DECODE_STEPS = 8  # decode_steps's default on an accelerator
 CPU_DECODE_STEPS = 1  # ... and on a CPU (see the field's help)
 MAX_DECODE_STEPS = 64
 SPECULATIVE_METHODS = (None, "ngram", "draft_model")
+POOLINGS = ("mean", "last")
+# vLLM's speculative_config keys -> the flat fields they set
+SPECULATIVE_CONFIG_KEYS = {"method": "speculative_method", "model": "speculative_model",
+                           "num_speculative_tokens": "num_speculative_tokens",
+                           "prompt_lookup_max": "prompt_lookup_max",
+                           "prompt_lookup_min": "prompt_lookup_min"}
 
 
 class LayerLoop(enum.StrEnum):
@@ -90,12 +97,14 @@ class EngineConfig:
               "the next step, ahead of other prompts (default: off)")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(
-        None, "KV blocks in the device pool (default: sized from the memory settings)")
+        None, "KV blocks in the device pool (default: sized from the memory settings)",
+        aliases=("--num-gpu-blocks-override",))
     kv_cache_memory_bytes: int = option(1 << 30, "bytes for the KV pool when num_kv_blocks is "
                                                  "not given and no memory fraction applies")
     kv_cache_memory_fraction: float | None = option(
         None, "fraction of accelerator memory for params + KV pool; needs device memory "
-              "statistics (GPUs report them), elsewhere kv_cache_memory_bytes applies")
+              "statistics (GPUs report them), elsewhere kv_cache_memory_bytes applies",
+        aliases=("--gpu-memory-utilization",))
     token_buckets: tuple[int, ...] | None = option(
         None, "padded token counts to compile (default: powers of two up to the budget, plus "
               "the sizes between them below max_num_seqs and max_num_seqs itself, where decode "
@@ -189,14 +198,28 @@ class EngineConfig:
         None, "draft_model: the draft model, a path as for model (a Llama-family model with "
               "the target's vocabulary; it gets its own KV pool with the target's blocks)")
     num_speculative_tokens: int = option(4, "most tokens proposed per sequence and step")
-    prompt_lookup_min: int = option(2, "ngram: shortest suffix matched")
-    prompt_lookup_max: int = option(4, "ngram: longest suffix matched (tried first)")
+    prompt_lookup_min: int = option(2, "ngram: shortest suffix matched",
+                                    aliases=("--ngram-prompt-lookup-min",))
+    prompt_lookup_max: int = option(4, "ngram: longest suffix matched (tried first)",
+                                    aliases=("--ngram-prompt-lookup-max",))
     speculative_adaptive: bool = option(
         True, "choose each step's number of proposed tokens (0 included) from the batch, the "
               "token budget, the acceptance rate and the step times seen so far, so "
               "speculation stops where the batch is compute-bound; off: always the most")
+    pooling: str = option(
+        "mean", "how /v1/embeddings and LLM.embed pool an input's final hidden states: mean "
+                "(over every token; such a request reads no blocks from the prefix cache, "
+                "whose tokens' hidden states are not kept) or last (the last token's, which "
+                "is computed even when the rest comes from the cache)")
+    speculative_config: dict | None = option(
+        None, "vLLM's spelling of the speculative fields, as a JSON object: method, model, "
+              "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min (a model without "
+              "a method means draft_model); its keys override the flat options, and it reads "
+              "None once applied (default: none)")
 
     def __post_init__(self):
+        if self.speculative_config is not None:
+            self._apply_speculative_config(self.speculative_config)
         for name, kind in (("attention_backend", AttentionBackend), ("layer_loop", LayerLoop),
                            ("quantization", Quantization),
                            ("scheduling_policy", SchedulingPolicy),
@@ -248,6 +271,9 @@ class EngineConfig:
             raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, "
+                             f"got {self.pooling!r}")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of "
                              f"{', '.join(map(str, SPECULATIVE_METHODS))}, "
@@ -288,6 +314,19 @@ class EngineConfig:
     def _resolved(self, name: str = "max_num_seqs") -> None:
         if getattr(self, name) is None:
             raise ValueError(f"{name} depends on the platform: take on_platform() first")
+
+    def _apply_speculative_config(self, spec: Any) -> None:
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        for key in spec:
+            if key not in SPECULATIVE_CONFIG_KEYS:
+                raise ValueError(f"speculative_config: unknown key {key!r}; known: "
+                                 f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
+        if spec.get("model") is not None and "method" not in spec:
+            spec = spec | {"method": "draft_model"}
+        for key, value in spec.items():
+            object.__setattr__(self, SPECULATIVE_CONFIG_KEYS[key], value)
+        object.__setattr__(self, "speculative_config", None)
 
     @property
     def spec_tokens(self) -> int:
@@ -359,6 +398,16 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
     """One command-line option per field of dataclass `cls`, with its type, default and help."""
     hints = typing.get_type_hints(cls)
@@ -375,6 +424,8 @@ def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
         kw: dict[str, Any] = {"default": f.default, "help": text}
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif base is dict:
+            kw["type"] = _json_object
         elif typing.get_origin(base) is tuple:
             kw |= {"type": typing.get_args(base)[0], "nargs": "+"}
         elif isinstance(base, type) and issubclass(base, enum.Enum):

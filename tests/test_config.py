@@ -122,3 +122,41 @@ def test_held_prefills_and_the_ttft_target_are_options_checked_by_name():
         assert EngineConfig(**kw).on_platform("cpu").scheduler_config().max_held_seqs == 0
     cpu = EngineConfig().on_platform("cpu")
     assert cpu.scheduler_config().max_held_seqs == cpu.max_num_seqs
+
+
+def test_speculative_config_is_vllms_spelling_of_the_flat_fields():
+    flat = EngineConfig(speculative_method="ngram", num_speculative_tokens=3,
+                        prompt_lookup_max=5, prompt_lookup_min=1)
+    spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                            "prompt_lookup_max": 5, "prompt_lookup_min": 1})
+    assert spec == flat and spec.speculative_config is None and hash(spec) == hash(flat)
+    draft = EngineConfig(speculative_config={"model": "/some/draft"})
+    assert (draft.speculative_method, draft.speculative_model) == ("draft_model", "/some/draft")
+    with pytest.raises(ValueError, match="speculative_config: unknown key 'acceptance_method'"):
+        EngineConfig(speculative_config={"method": "ngram", "acceptance_method": "typical"})
+    with pytest.raises(ValueError, match="speculative_method must be one of"):
+        EngineConfig(speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="speculative_config must be a dict"):
+        EngineConfig(speculative_config='{"method": "ngram"}')
+
+
+def test_serve_flags_take_vllms_spellings():
+    from jaxserve.serving.cli import parse_args, split_config
+
+    engine, server = split_config(parse_args([
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+                                '"prompt_lookup_max": 3, "prompt_lookup_min": 2}',
+        "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "99",
+        "--served-model-name", "mine", "--no-enable-prefix-caching", "--seed", "7"]))
+    assert engine == EngineConfig(speculative_method="ngram", num_speculative_tokens=4,
+                                  prompt_lookup_max=3, prompt_lookup_min=2,
+                                  kv_cache_memory_fraction=0.5, num_kv_blocks=99,
+                                  enable_prefix_caching=False, seed=7)
+    assert server.model_name == "mine"
+    flat, _ = split_config(parse_args(["--speculative-method", "ngram",
+                                       "--ngram-prompt-lookup-max", "3"]))
+    assert (flat.speculative_method, flat.prompt_lookup_max) == ("ngram", 3)
+    with pytest.raises(SystemExit, match="unknown key 'num_lookahead_slots'"):
+        split_config(parse_args(["--speculative-config", '{"num_lookahead_slots": 2}']))

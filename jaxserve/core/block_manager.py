@@ -136,9 +136,10 @@ class BlockManager:
 
     def matchable_names(self, seq: Sequence) -> list[BlockHash]:
         """The names of the blocks of `seq` a cache may supply: every full block that ends
-        before its last known token (none while its prompt logprobs are still to come)."""
-        if seq.needs_prompt_logprobs:
-            return []
+        before its last known token (none while its prompt logprobs are still to come, nor
+        for a mean-pooled embedding)."""
+        if seq.needs_prompt_logprobs or seq.pooling == "mean":
+            return []  # every prompt row must run (a mean needs each one's hidden state)
         max_blocks = (self._num_known(seq) - 1) // self.block_size
         return self._hashes(seq, max_blocks)[:max_blocks]
 

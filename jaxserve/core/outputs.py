@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,3 +94,5 @@ class RequestOutput:
     # With prompt_logprobs: entry i for prompt token i, {"logprob", "rank", "top"} (the first,
     # with nothing before it, None); complete by the request's first output.
     prompt_logprobs: list[dict | None] | None = None
+    # An embedding request's pooled final hidden state, (D,) float32 (numpy), once finished.
+    embedding: Any = None

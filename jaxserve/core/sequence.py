@@ -33,7 +33,7 @@ class Sequence:
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
                  "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
                  "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next",
-                 "stop_ids", "samples_plainly", "needs_history")
+                 "stop_ids", "samples_plainly", "needs_history", "pooling", "pooled")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -75,6 +75,10 @@ class Sequence:
         # final by now)
         self.samples_plainly = params.samples_plainly
         self.needs_history = params.needs_history
+        # An embedding request: "mean" or "last" (else None), and its pooled hidden state so
+        # far (the engine's, a host array: the sum of its prompt's rows, or the last row).
+        self.pooling: str | None = None
+        self.pooled = None
         # A sibling (parallel sampling, n > 1) whose prompt this one reads from the prefix
         # cache: it is admitted once that sibling's prompt is computed.
         self.waits_for: Sequence | None = None

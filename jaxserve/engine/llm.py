@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 from collections.abc import Sequence as Seq
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
@@ -67,17 +68,39 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
+        pairs = list(zip(prompts, sampling_params, strict=True))
+        return self._run_all(pairs, lambda engine, rid, text, ids, params: engine.add_request(
+            rid, text, params, prompt_token_ids=ids), "generate", use_tqdm)
+
+    def embed(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
+              pooling: str | None = None, normalize: bool = True,
+              use_tqdm: bool = False) -> list[np.ndarray]:
+        """Each prompt's final hidden states pooled (`pooling`: "mean" or "last"; default:
+        the engine's `pooling`), L2-normalized unless `normalize` is False: one (D,) float32
+        array per prompt, in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        outs = self._run_all([(p, None) for p in prompts],
+                             lambda engine, rid, text, ids, _: engine.add_embedding_request(
+                                 rid, text, prompt_token_ids=ids, pooling=pooling),
+                             "embed", use_tqdm)
+        return [normalized(o.embedding) if normalize else o.embedding for o in outs]
+
+    def _run_all(self, pairs: list[tuple], add, desc: str,
+                 use_tqdm: bool) -> list[RequestOutput]:
+        """Queue each (prompt, params) with add(engine, request id, text, token ids, params)
+        on the replica the router picks (all or none), then step until all are finished."""
         ids: list[str] = []
         placed: list[list[str]] = [[] for _ in self.engines]  # request ids per replica
         try:
-            for prompt, params in zip(prompts, sampling_params, strict=True):
+            for prompt, params in pairs:
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
                 text = prompt if isinstance(prompt, str) else None
                 token_ids = self.engine.prompt_ids(text, None if text else list(prompt))
                 i = self.router.route(rid, token_ids)
                 try:
-                    self.engines[i].add_request(rid, text, params, prompt_token_ids=token_ids)
+                    add(self.engines[i], rid, text, token_ids, params)
                 except ValueError:
                     self.router.finished(rid)
                     raise
@@ -90,7 +113,7 @@ class LLM:
                     self.router.finished(rid)
                 engine.step()  # drain their abort outputs
             raise ValueError(f"prompt {len(ids)}: {e}") from e
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
             busy = [(e, rids) for e, rids in zip(self.engines, placed, strict=True) if rids]
             if len(busy) == 1:
                 done = self._run(*busy[0], bar)
@@ -110,3 +133,9 @@ class LLM:
                     self.router.finished(out.request_id)
                     bar.update(1)
         return done
+
+
+def normalized(v: np.ndarray) -> np.ndarray:
+    """v / its L2 norm (a zero vector stays zero)."""
+    n = float(np.linalg.norm(v))
+    return v / n if n > 0 else v

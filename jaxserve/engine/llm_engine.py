@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig, Role
+from jaxserve.config import POOLINGS, EngineConfig, Role
 from jaxserve.core.block_hash import check_salt
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
@@ -189,8 +189,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None = None,
                     params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    pooling: str | None = None) -> None:
         """Queue a request. A bad field raises ValueError naming it; nothing else is touched.
+        `pooling`: an embedding request instead (add_embedding_request; `params` unused).
 
         Given both, `prompt_token_ids` is what runs and `prompt` is the text it came from (a
         front that tokenized the prompt already passes both). `cache_salt`: prefix-cache
@@ -198,11 +200,46 @@ class LLMEngine:
 
         A full waiting queue raises QueueFullError."""
         try:
-            self._add_request(request_id, prompt, params, prompt_token_ids, priority,
-                              arrival_time, cache_salt)
+            if pooling is not None:
+                if pooling not in POOLINGS:
+                    raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, "
+                                     f"got {pooling!r}")
+                params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                        output_kind="final_only")
+            seqs = self._add_request(request_id, prompt, params, prompt_token_ids, priority,
+                                     arrival_time, cache_salt)
         except (ValueError, QueueFullError):
             self.metrics.record_rejection()
             raise
+        seqs[0].pooling = pooling
+
+    def add_embedding_request(self, request_id: str, prompt: str | None = None, *,
+                              prompt_token_ids: list[int] | None = None,
+                              pooling: str | None = None, priority: int = 0,
+                              arrival_time: float | None = None,
+                              cache_salt: str | None = None) -> None:
+        """Queue a prompt-only request whose finished output carries `embedding`: the final
+        hidden states of its prompt pooled by `pooling` ("mean" or "last"; default: the
+        engine's), unnormalized. It is scheduled like any prompt (chunked, batched with
+        generation) and ends after its prompt, its one sampled token unused."""
+        self.add_request(request_id, prompt, prompt_token_ids=prompt_token_ids,
+                         priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
+                         pooling=self.config.pooling if pooling is None else pooling)
+
+    def _pool(self, scheduled: list[ScheduledSeq], result) -> None:
+        """Add a step's rows to its embedding requests' pooled states (a mean sums its
+        chunks; a row starting at 0 starts again, after a recompute preemption)."""
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            if seq.pooling is None or seq.is_finished or not s.is_prefill:
+                continue
+            if seq.pooling == "last":
+                if s.samples:
+                    seq.pooled = result.pooled.last[i].copy()
+            elif s.start == 0 or seq.pooled is None:
+                seq.pooled = result.pooled.sums[i].astype(np.float64)
+            else:
+                seq.pooled = seq.pooled + result.pooled.sums[i]
 
     def _add_request(self, request_id, prompt, params, prompt_token_ids, priority, arrival_time,
                      cache_salt, admit: bool = True) -> list[Sequence]:
@@ -520,7 +557,8 @@ class LLMEngine:
                 output = step.output
                 if isinstance(output, concurrent.futures.Future):
                     output = output.result()  # its launch's error, if any, is raised here
-                result = self.runner.fetch(output, want_lp, bool(step.prompt_rows))
+                result = self.runner.fetch(output, want_lp, bool(step.prompt_rows),
+                                           any(s.seq.pooling for s in step.sched.scheduled))
             except RecompileError:  # strict_compile: a configuration error, the caller's to see
                 raise
             except Exception as e:  # noqa: BLE001 - the device step failed for all of its rows
@@ -535,6 +573,8 @@ class LLMEngine:
                     k = r.seq.params.prompt_logprobs
                     r.seq.prompt_logprobs.extend(result.prompt_entry(r.row + j, k)
                                                  for j in range(r.count))
+            if result.pooled is not None:
+                self._pool(scheduled, result)
             updates = self.postprocessor.resolve(scheduled, result.rows(len(scheduled)), now,
                                                  result.logprob_entry if want_lp else None)
             for u in updates:
@@ -622,5 +662,9 @@ class LLMEngine:
         done = u.finished
         prompt = (self._prompts.pop(seq.request_id, None) if done
                   else self._prompts.get(seq.request_id))
+        embedding = None
+        if seq.pooling is not None and seq.finish_reason == "length" and seq.pooled is not None:
+            n = len(seq.prompt_token_ids) if seq.pooling == "mean" else 1
+            embedding = (seq.pooled / n).astype(np.float32)
         return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [comp], done,
-                             seq.metrics, seq.prompt_logprobs)
+                             seq.metrics, seq.prompt_logprobs, embedding)

@@ -105,6 +105,7 @@ class StepOutput:
     top_ids: np.ndarray | None = None  # (S, K, max_logprobs) int32
     top_logprobs: np.ndarray | None = None  # (S, K, max_logprobs) float32
     prompt: PromptLogprobs | None = None  # as numpy, when a row asked for prompt logprobs
+    pooled: Pooled | None = None  # as numpy, when a row is an embedding request
 
     def rows(self, num_seqs: int) -> list[list[int]]:
         """The tokens of the first `num_seqs` rows, as lists."""
@@ -137,6 +138,32 @@ class StepResult:
 
     sampled: SamplerOutput
     prompt: PromptLogprobs
+    pooled: Pooled
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pooled:
+    """Each row's final hidden states this step, for embedding requests (read back only when
+    a row is one)."""
+
+    sums: jax.Array  # (S, D) float32: the sum over the row's query tokens
+    last: jax.Array  # (S, D) float32: its last query token's
+
+    @staticmethod
+    def of(hidden: jax.Array, md) -> Pooled:
+        """hidden (T, D): the final norm's output; md: the step's AttentionMetadata."""
+        qsl = md.query_start_loc  # (S + 1,) int32, padding rows start at the real token count
+        x = hidden.astype(jnp.float32)
+        real = (jnp.arange(x.shape[0]) < qsl[-1])[:, None]  # (T, 1)
+        sums = jax.ops.segment_sum(jnp.where(real, x, 0.0), md.token_seq,
+                                   num_segments=qsl.shape[0] - 1)
+        return Pooled(sums, x[jnp.maximum(qsl[1:] - 1, 0)])
+
+    @staticmethod
+    def empty(num_rows: int, dim: int) -> Pooled:
+        return Pooled(jnp.zeros((num_rows, dim), jnp.float32),
+                      jnp.zeros((num_rows, dim), jnp.float32))
 
 
 class ModelRunner:
@@ -362,7 +389,9 @@ class ModelRunner:
                 max_logprobs, self.logits_shape.vocab_size,
                 early_exit=not self.plain_programs)  # (a condition to read back, as a branch)
             return self._result((kv, *pools[1:]), out,
-                                PromptLogprobs.empty(ids.shape[0], max_logprobs), last_tokens)
+                                PromptLogprobs.empty(ids.shape[0], max_logprobs), last_tokens,
+                                Pooled.empty(inp.attn.query_start_loc.shape[0] - 1,
+                                             self.model_config.hidden_size))
         if len(pools) > 1:  # a draft model proposes the speculating rows' tokens
             with jax.named_scope("draft"):
                 run_draft = functools.partial(self._run_draft, draft_params[0])
@@ -395,7 +424,7 @@ class ModelRunner:
             with jax.named_scope("sample"):
                 out = sample_plain(logits, inp.sampling, max_logprobs)
             return self._result(pools, out, PromptLogprobs.empty(hidden.shape[0], max_logprobs),
-                                last_tokens)
+                                last_tokens, Pooled.of(hidden, inp.attn))
         with jax.named_scope("sample"):
             if not spec_k:
                 out = self._sample_rows(logits, inp.sampling, inp.processing, max_logprobs)
@@ -404,17 +433,17 @@ class ModelRunner:
                                              max_logprobs)
         with jax.named_scope("prompt_logprobs"):
             prompt = prompt_logprobs(head_logits, hidden, inp.prompt_targets, max_logprobs)
-        return self._result(pools, out, prompt, last_tokens)
+        return self._result(pools, out, prompt, last_tokens, Pooled.of(hidden, inp.attn))
 
     @staticmethod
     def _result(pools: tuple[KVCache, ...], out: SamplerOutput, prompt: PromptLogprobs,
-                last_tokens: jax.Array):
+                last_tokens: jax.Array, pooled: Pooled):
         """The step's outputs, with each row's last token (a later step's input under
         asynchronous scheduling) padded to last_tokens' shape."""
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.num_tokens - 1, 0)[:, None],
                                    axis=1)[:, 0]
         next_tokens = jnp.zeros_like(last_tokens).at[:last.shape[0]].set(last)
-        return pools, StepResult(out, prompt), next_tokens
+        return pools, StepResult(out, prompt, pooled), next_tokens
 
     @staticmethod
     def _sample_rows(logits: jax.Array, si, li, max_logprobs: int) -> SamplerOutput:
@@ -646,7 +675,7 @@ class ModelRunner:
         return out
 
     def fetch(self, step: StepResult, want_logprobs: bool,
-              want_prompt_logprobs: bool = False) -> StepOutput:
+              want_prompt_logprobs: bool = False, want_pooled: bool = False) -> StepOutput:
         """Wait for a dispatched step and bring its tokens (and logprobs if asked) to the host.
         The outputs are replicated: this process's first copy is the whole of each."""
         try:
@@ -659,6 +688,8 @@ class ModelRunner:
                 result.top_logprobs = host(out.top_logprobs)
             if want_prompt_logprobs:
                 result.prompt = jax.tree.map(host, step.prompt)
+            if want_pooled:
+                result.pooled = jax.tree.map(host, step.pooled)
             return result
         except Exception as e:  # noqa: BLE001
             if self.multiprocess:

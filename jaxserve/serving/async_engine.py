@@ -103,14 +103,16 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: str | None = None,
                           params: SamplingParams | None = None, *,
                           prompt_token_ids: list[int] | None = None,
-                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
-        """Queue a request; raises what LLMEngine.add_request raises (ValueError, ...)."""
+                          priority: int = 0, cache_salt: str | None = None,
+                          pooling: str | None = None) -> RequestStream:
+        """Queue a request; raises what LLMEngine.add_request raises (ValueError, ...).
+        `pooling`: an embedding request (its finished output carries `embedding`)."""
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                self.max_queue_per_request)
         stream.on_overflow = lambda s: self.abort(s.request_id)
         kwargs = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids,
                       priority=priority, arrival_time=time.perf_counter(),
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, pooling=pooling)
         await self._add(stream, "add", kwargs)
         return stream
 
@@ -163,6 +165,8 @@ class AsyncEngine:
                 kind, a, b, fut = self._cmds.get_nowait()
             except queue.Empty:
                 return
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue  # its caller is gone (cancelled while it waited): nothing to do
             try:
                 if kind == "add":
                     self.engine.add_request(a.request_id, **b)

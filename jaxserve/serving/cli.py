@@ -45,9 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def split_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    # --http-port 0 turns the HTTP front off
-    return (from_options(EngineConfig, args),
-            from_options(ServerConfig, args, http_port=args.http_port or None))
+    """Raises SystemExit naming the field when a value is refused."""
+    try:  # --http-port 0 turns the HTTP front off
+        return (from_options(EngineConfig, args),
+                from_options(ServerConfig, args, http_port=args.http_port or None))
+    except ValueError as e:
+        raise SystemExit(f"serve.py: error: {e}") from None
 
 
 async def serve(engines, server_config: ServerConfig, step_hooks: tuple = (),

@@ -52,7 +52,8 @@ class ServerConfig:
                                              "recently used go first; 0: none)")
     max_stored_response_bytes: int = option(64 << 20, "bytes of JSON the kept responses may "
                                                       "hold (least recently used go first)")
-    model_name: str = option("jaxserve", "the model id /v1/models reports and requests name")
+    model_name: str = option("jaxserve", "the model id /v1/models reports and requests name",
+                             aliases=("--served-model-name",))
 
     def __post_init__(self):
         for name in ("max_frame_bytes", "max_concurrent_per_connection", "max_queue_per_request",
@@ -187,10 +188,14 @@ class ServingCore:
         return self.engine.tokenizer(prompt).input_ids
 
     async def submit(self, engine_id: str, prompt, prompt_token_ids, params,
-                     priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                     priority: int = 0, cache_salt: str | None = None,
+                     pooling: str | None = None) -> RequestStream:
+        """`pooling`: an embedding request (engines in this process only)."""
+        extra = {} if pooling is None else {"pooling": pooling}
         return await self.replicas.add_request(engine_id, prompt, params,
                                                prompt_token_ids=prompt_token_ids,
-                                               priority=priority, cache_salt=cache_salt)
+                                               priority=priority, cache_salt=cache_salt,
+                                               **extra)
 
     def client_left(self, engine_id: str, stream: RequestStream | None,
                     count: bool = True) -> None:

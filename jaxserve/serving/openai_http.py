@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions (both with
 `stream: true` as server-sent events; chat with tool calls), /v1/responses (stored responses
-readable and deletable by id), /v1/models, /health, /metrics (Prometheus text).
+readable and deletable by id), /v1/embeddings (serving/embeddings.py), /v1/models, /health,
+/metrics (Prometheus text).
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for bad
 fields, 401 for a missing or wrong key, 404 for an unknown model or route, 429 when the waiting
@@ -9,6 +10,7 @@ queue is full, 503 while shutting down.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -22,10 +24,12 @@ from aiohttp import web
 
 from jaxserve import __version__
 from jaxserve.core.sampling_params import SamplingParams, param_names
+from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
-from jaxserve.serving import responses, tools
+from jaxserve.serving import embeddings, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
+from jaxserve.serving.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ def build_app(server: ServingCore) -> web.Application:
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_post("/v1/responses", api.responses)
+    app.router.add_post("/v1/embeddings", api.embeddings)
     app.router.add_get("/v1/responses/{response_id}", api.get_response)
     app.router.add_delete("/v1/responses/{response_id}", api.delete_response)
     app.router.add_get("/v1/models", api.models)
@@ -205,7 +210,7 @@ class _Api:
         return found[0] if found else None
 
     async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str,
-                      cache_salt=None):
+                      cache_salt=None, pooling: str | None = None):
         if self.server.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
@@ -215,7 +220,7 @@ class _Api:
         engine_id = self.server.new_engine_id(prefix)
         try:
             stream = await self.server.submit(engine_id, prompt, prompt_ids, params,
-                                              cache_salt=cache_salt)
+                                              cache_salt=cache_salt, pooling=pooling)
         except QueueFullError as e:
             raise ApiError(429, str(e), kind="rate_limit_error") from None
         except ValueError as e:
@@ -552,6 +557,39 @@ class _Api:
         builder.feed(out.outputs[0].text, final=True)
         finish(out)
         return web.json_response(builder.response)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """Each input queued as an embedding request (serving/embeddings.py); all answered
+        together, or an error (the others then aborted)."""
+        body = await self._body(request)
+        hidden = self.server.engine.model_config.hidden_size
+        try:
+            items = embeddings.parse_inputs(body)
+            fmt, normalize = embeddings.parse_options(body, hidden)
+        except embeddings.EmbeddingsError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        if not isinstance(self.server.replicas, ReplicaSet):
+            raise ApiError(400, "embeddings are served by an engine in this process only, "
+                                "not through a disaggregated front", param="input")
+        params = SamplingParams(max_tokens=1)  # what prompt_ids checks against the limits
+        submitted = []
+        try:
+            for item in items:
+                text, ids = (item, None) if isinstance(item, str) else (None, item)
+                submitted.append(await self._submit(text, ids, params, "embd",
+                                                    body.get("cache_salt"),
+                                                    self.server.engine.config.pooling))
+            outs = await asyncio.gather(*(self._collect(request, eid, stream)
+                                          for eid, stream in submitted))
+        finally:
+            for eid, stream in submitted:
+                self.server.client_left(eid, stream)  # a no-op for those that finished
+        if any(o.embedding is None for o in outs):  # aborted (a shutdown)
+            raise ApiError(503, "the request ended before its embedding", kind="server_error")
+        vectors = [normalized(o.embedding) if normalize else o.embedding for o in outs]
+        return web.json_response(embeddings.response(
+            vectors, sum(len(o.prompt_token_ids) for o in outs), fmt,
+            self.server.config.model_name))
 
     async def get_response(self, request: web.Request) -> web.Response:
         record = self.store.get(request.match_info["response_id"])

@@ -28,7 +28,8 @@ fields are sample 0's, and completion_tokens counts every sample's tokens.
     {"type": "health", "status": "ok"}        {"type": "stats", ...engine figures...}
 
 Ids are the client's own; they must be unique among that connection's live requests. Error
-codes: bad_frame, frame_too_large (then the connection closes), unknown_type, unauthorized,
+codes: bad_frame, frame_too_large (then the connection closes, after the error frame even
+when the client half-closed mid-frame), unknown_type, unauthorized,
 invalid_field, invalid_request, limit_exceeded, queue_full, duplicate_id, not_found,
 shutting_down, and internal_error (the request failed inside the engine; others go on).
 Closing the connection, or only its sending half, aborts every request on it.

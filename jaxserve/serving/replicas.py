@@ -53,12 +53,13 @@ class ReplicaSet:
 
     async def add_request(self, request_id: str, prompt: str | None, params, *,
                           prompt_token_ids: list[int] | None = None, priority: int = 0,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None,
+                          pooling: str | None = None) -> RequestStream:
         i = self.router.route(request_id, prompt_token_ids, cache_salt)
         try:
             return await self.replicas[i].add_request(
                 request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                priority=priority, cache_salt=cache_salt)
+                priority=priority, cache_salt=cache_salt, pooling=pooling)
         except BaseException:  # refused (or its caller left): it holds no place there
             self.router.finished(request_id)
             raise

@@ -61,6 +61,7 @@ class _Conn:
         self.closed = False
         self.watched: Watched | None = None
         self._left: set[str] = set()  # engine ids already counted as left by their client
+        self.abort_queued: set[str] = set()  # engine ids aborted before they were queued
 
     def left(self, core: ServingCore, engine_id: str) -> None:
         """Abort a request of this connection whose client is gone (again is harmless)."""
@@ -79,11 +80,17 @@ class _Conn:
         if not self.closed:
             await self.writer.drain()
 
-    def error(self, code: str, message: str, request_id: str | None = None) -> None:
+    def error(self, code: str, message: str, request_id: str | None = None,
+              last: bool = False) -> None:
+        """`last`: the frame before the server closes, written even after the client's
+        half-close (its sending end is gone, its reading end may still be open)."""
         msg = {"type": "error", "code": code, "message": message}
         if request_id is not None:
             msg["id"] = request_id
-        self.send(msg)
+        if last and self.closed and not self.writer.transport.is_closing():
+            self.writer.write(encode(msg))
+        else:
+            self.send(msg)
 
     def kill(self) -> None:
         """Cut the connection off now (a client that stopped reading)."""
@@ -144,9 +151,10 @@ class SocketFront:
                 try:
                     msg = await read_frame(reader, self.core.config.max_frame_bytes)
                 except ProtocolError as e:
-                    conn.error(e.code, e.message, e.request_id)
+                    conn.error(e.code, e.message, e.request_id, last=e.fatal)
                     if e.fatal:
-                        await conn.drain()
+                        if not writer.transport.is_closing():
+                            await writer.drain()
                         break
                     continue
                 if msg is None or conn.closed:
@@ -171,7 +179,11 @@ class SocketFront:
                 elif kind == "abort":
                     cid = msg.get("id")
                     if isinstance(cid, str) and cid in conn.active:
-                        self.core.replicas.abort(conn.active[cid])
+                        engine_id = conn.active[cid]
+                        if engine_id in conn.streams:
+                            self.core.replicas.abort(engine_id)
+                        else:  # still being queued: aborted once it is
+                            conn.abort_queued.add(engine_id)
                     else:
                         conn.error("not_found", f"no active request with id {cid!r}",
                                    cid if isinstance(cid, str) else None)
@@ -219,6 +231,13 @@ class SocketFront:
             return
         engine_id = f"c{conn.number}-{req.id}"
         conn.active[req.id] = engine_id  # from here a disconnect aborts it
+        # Queued off the read loop: the next frame (a 65th request, an abort) is read at once,
+        # not after the engine thread took this one between two of its steps.
+        task = asyncio.create_task(self._queue(conn, req, engine_id))
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
+
+    async def _queue(self, conn: _Conn, req, engine_id: str) -> None:
         try:
             ids = await self.core.prompt_ids(req.prompt, req.prompt_token_ids, req.params)
             if conn.closed:
@@ -238,7 +257,14 @@ class SocketFront:
             conn.active.pop(req.id, None)
             conn.error("invalid_request", str(e), req.id)
             return
+        except Exception as e:  # noqa: BLE001 - e.g. a dead engine loop: this request fails
+            conn.active.pop(req.id, None)
+            conn.error("internal_error", f"{type(e).__name__}: {e}", req.id)
+            return
         self.start_pump(conn, req.id, engine_id, stream, req.stream)
+        if engine_id in conn.abort_queued:
+            conn.abort_queued.discard(engine_id)
+            self.core.replicas.abort(engine_id)
 
     def start_pump(self, conn: _Conn, cid: str, engine_id: str, stream: RequestStream,
                    want_stream: bool) -> None:

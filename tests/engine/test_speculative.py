@@ -249,3 +249,21 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         _engine(path, speculative_method="draft_model", speculative_model=path,
                 tensor_parallel_size=2)
+
+
+def test_llm_takes_vllms_speculative_config(tiny_models):
+    """LLM(speculative_config={...}), vLLM's spelling: the same engine as the flat fields."""
+    from jaxserve import LLM
+
+    path, _ = tiny_models["llama"]
+    llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
+              num_kv_blocks=128, log_stats_interval_s=0, token_buckets=(8, 32),
+              block_buckets=(8,), speculative_adaptive=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    cfg = llm.engine.config
+    assert (cfg.speculative_method, cfg.spec_tokens, cfg.speculative_config) == ("ngram", 4, None)
+    prompts = _copying_prompts(0)[:2]
+    assert _greedy(llm.engine, prompts) == _greedy(_engine(path), prompts)
+    with pytest.raises(ValueError, match="unknown key 'draft_tensor_parallel_size'"):
+        LLM(path, speculative_config={"method": "ngram", "draft_tensor_parallel_size": 1})

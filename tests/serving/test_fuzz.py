@@ -199,6 +199,35 @@ def test_http_tools_and_responses_bodies_get_a_result_or_an_openai_error(server,
         assert isinstance(err["message"], str) and err["type"] and err["param"], err
 
 
+def _embedding_bodies():
+    """Embeddings bodies with input, encoding_format, dimensions and normalize set to anything
+    (good values among them)."""
+    ids = st.lists(st.integers(-5, 60000), max_size=4)
+    fields = {"input": st.text(max_size=8) | ids | st.lists(st.text(max_size=6) | ids,
+                                                             max_size=3) | values,
+              "encoding_format": st.sampled_from(("float", "base64", "x")) | values,
+              "dimensions": st.sampled_from((576, 64)) | values,
+              "normalize": values, "model": values}
+    changes = st.dictionaries(st.sampled_from(sorted(fields)), values, max_size=3).flatmap(
+        lambda d: st.fixed_dictionaries({k: fields[k] for k in d}))
+    return changes.map(lambda d: {"input": "Hi", **d})
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=_embedding_bodies())
+def test_http_embeddings_bodies_get_vectors_or_an_openai_error(server, body):
+    status, data, _ = post(server, "/v1/embeddings", body)
+    answer = json.loads(data)
+    if status == 200:
+        assert answer["data"] and answer["usage"]["prompt_tokens"] > 0, answer
+    else:
+        assert 400 <= status < 500, (status, answer)
+        err = answer["error"]
+        assert isinstance(err["message"], str) and err["type"], err
+
+
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
