@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxserve.kernels.quant import BLOCK, PLANES, Blocks
 from jaxserve.kernels.quant import decode as decode_blocks
-from jaxserve.models import cache
+from jaxserve.models import cache, moe
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.gguf_tokenizer import build_tokenizer
 
@@ -89,7 +89,8 @@ def _load_hf_dir(path: str) -> LoadedModel:
     tensors = {}
     for file in files:
         tensors.update(_read_safetensors(file))
-    cfg, params = hf_to_params(cfg, split_fused(cfg, tensors))
+    tensors = moe.canonical_expert_names(cfg, split_fused(cfg, tensors))
+    cfg, params = hf_to_params(cfg, tensors)
     return LoadedModel(cfg, params, load_tokenizer(path), path)
 
 
@@ -273,10 +274,12 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kh * h, d),
             p + "self_attn.v_proj.weight": (kh * h, d),
             p + "self_attn.o_proj.weight": (d, n * h),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
         }
+        if cfg.is_moe:
+            shapes |= moe.expert_hf_shapes(cfg, p)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                       p + "mlp.down_proj.weight": (d, f)}
         if cfg.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (n * h,),
                        p + "self_attn.k_proj.bias": (kh * h,),
@@ -345,10 +348,13 @@ def hf_to_params(
         # wo's blocks run along N*H: they must not straddle two heads.
         "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, -1, d),
                     blocks_fit=h % BLOCK == 0),
-        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
-        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
     }
+    if cfg.is_moe:  # models/moe.py
+        layers["moe"] = moe.expert_params(cfg, tensors)
+    else:
+        layers |= {"w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
+                   "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
+                   "w_down": stack("mlp.down_proj.weight", lambda w: w.T)}
     if cfg.attention_bias:
         layers["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
         layers["bk"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(kh, h))
