@@ -118,7 +118,8 @@ def load_tokenizer(path: str, **kw):
 # ------------------------------------------------------------------------------------- GGUF
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3moe": "Qwen3MoeForCausalLM"}  # llama with experts: Mixtral
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -135,6 +136,12 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # a mixture of experts' router, and its experts stacked (E, F, D) / (E, D, F): moe.py
+    # splits them (dequantized: the block kernels do not read experts, see the README)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -184,7 +191,7 @@ def _convert_gguf(file: str) -> LoadedModel:
                     arr = _map(arr, lambda w, n=n: _unpermute_rows(w, n))
         tensors[name] = arr
     tokenizer = _gguf_tokenizer(reader, file)
-    cfg, params = hf_to_params(cfg, tensors)
+    cfg, params = hf_to_params(cfg, moe.canonical_expert_names(cfg, tensors))
     return LoadedModel(cfg, params, tokenizer, file)
 
 
@@ -233,6 +240,14 @@ def _gguf_config(meta: dict, file: str) -> ModelConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
     }
+    experts = int(get("expert_count", 0))
+    if experts:  # llama.cpp's qwen3moe renormalises the top k (norm_topk_prob), as Mixtral
+        if arch == "llama":
+            hf["architectures"] = ["MixtralForCausalLM"]
+        hf |= {"num_experts": experts, "num_local_experts": experts,
+               "num_experts_per_tok": int(get("expert_used_count")), "norm_topk_prob": True,
+               "moe_intermediate_size": int(get("expert_feed_forward_length")
+                                            or hf["intermediate_size"])}
     return ModelConfig.from_hf(hf)
 
 

@@ -103,8 +103,9 @@ _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 def canonical_expert_names(cfg: ModelConfig, tensors: dict) -> dict:
     """A checkpoint's expert tensors under one naming: `mlp.gate.weight` (E, D) and
-    `mlp.experts.{j}.{gate,up,down}_proj.weight`. Reads Mixtral's `block_sparse_moe.*` names and
-    the fused (E, 2F, D) `gate_up_proj` / (E, D, F) `down_proj` layout."""
+    `mlp.experts.{j}.{gate,up,down}_proj.weight`. Reads Mixtral's `block_sparse_moe.*` names,
+    the fused (E, 2F, D) `gate_up_proj` / (E, D, F) `down_proj` layout and the stacked (E, F, D)
+    `gate_proj` / `up_proj` a GGUF holds (loader.py names them so)."""
     if not cfg.is_moe:
         return tensors
     f = cfg.moe_intermediate_size
@@ -112,10 +113,10 @@ def canonical_expert_names(cfg: ModelConfig, tensors: dict) -> dict:
     for name, t in tensors.items():
         name = name.replace(".block_sparse_moe.", ".mlp.")
         head, _, tail = name.rpartition(".experts.")
-        if tail in ("gate_up_proj", "down_proj"):  # fused: every expert in one tensor
+        if tail in ("gate_up_proj", "gate_proj", "up_proj", "down_proj"):  # every expert
             for j in range(t.shape[0]):
-                if tail == "down_proj":
-                    out[f"{head}.experts.{j}.down_proj.weight"] = t[j]
+                if tail != "gate_up_proj":
+                    out[f"{head}.experts.{j}.{tail}.weight"] = t[j]
                 else:
                     out[f"{head}.experts.{j}.gate_proj.weight"] = t[j, :f]
                     out[f"{head}.experts.{j}.up_proj.weight"] = t[j, f:]

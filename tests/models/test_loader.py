@@ -132,7 +132,10 @@ def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
                  "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
                  "self_attn.o_proj.weight": "attn_output.weight",
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
+                 "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight":
+                 "ffn_gate_inp.weight", "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+                 "mlp.experts.up_proj": "ffn_up_exps.weight",
+                 "mlp.experts.down_proj": "ffn_down_exps.weight"}
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -143,6 +146,9 @@ def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.is_moe:  # experts stacked, as "mlp.experts.{gate,up,down}_proj"
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     for name, arr in tensors.items():
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
@@ -256,3 +262,43 @@ def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_float_load(tmp_path,
             w, f = (w["weight"], flat["layers"][key]["weight"]) if key.endswith("norm") else (
                 w, flat["layers"][key])
             np.testing.assert_array_equal(f, w, err_msg=key)
+
+
+def test_mixtral_gguf_loads_its_experts(tmp_path, tiny_models, monkeypatch):
+    """A llama-arch GGUF with expert tensors (as llama.cpp writes Mixtral): the router and the
+    stacked experts land where the safetensors load puts them; a Q8_0 expert stack is expanded
+    exactly as gguf dequantizes it."""
+    import glob
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from jaxserve.models.moe import canonical_expert_names
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = tiny_models["mixtral"]
+    from_st = load_model(path)
+    cfg = from_st.config
+    tensors = {}
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        tensors |= load_file(f)
+    tensors = canonical_expert_names(cfg, tensors)
+    for i in range(cfg.num_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            p = f"model.layers.{i}.mlp.experts."
+            tensors[p + proj] = np.stack([tensors.pop(f"{p}{j}.{proj}.weight")
+                                          for j in range(cfg.num_experts)])
+    _write_tiny_gguf(tmp_path / "mixtral.gguf", tensors, cfg, {"experts.up_proj": "Q8_0"})
+    got = load_model(str(tmp_path / "mixtral.gguf"))
+    c = got.config
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            c.norm_topk_prob) == ("MixtralForCausalLM", 8, 2, 64, True)
+    moe, want = got.params["layers"]["moe"], from_st.params["layers"]["moe"]
+    for key in ("router", "w_gate", "w_down"):
+        np.testing.assert_array_equal(moe[key], want[key])
+    np.testing.assert_array_equal(got.params["layers"]["wq"], from_st.params["layers"]["wq"])
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    up = np.stack([dequantize(quantize(np.ascontiguousarray(
+        tensors[f"model.layers.{i}.mlp.experts.up_proj"]), q8), q8) for i in range(2)])
+    np.testing.assert_array_equal(moe["w_up"], up.transpose(0, 1, 3, 2))
+    np.testing.assert_allclose(moe["w_up"], want["w_up"], atol=0.02)
