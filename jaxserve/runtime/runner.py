@@ -244,6 +244,12 @@ class ModelRunner:
                         sharding.bytes_on_device(self.params, dev) / 2**20,
                         sharding.bytes_on_device(self.kv, dev) / 2**20, self.num_blocks,
                         self.block_size)
+            if mc.is_moe:
+                experts = [{k: w for k, w in layer["moe"].items() if k != "router"}
+                           for name, layer in self.params.items() if name.startswith("layers")]
+                logger.info("experts: %d per device of %d (expert_parallel_size=%d); expert "
+                            "weights per device %.1f MiB", mc.num_experts // ep, mc.num_experts,
+                            ep, sharding.bytes_on_device(experts, dev) / 2**20)
         # Across processes (runtime/distributed.py) the leader broadcasts each step first.
         self.multiprocess = jax.process_count() > 1
         self.broadcast = (distributed.StepBroadcast(self._dummy_inputs)

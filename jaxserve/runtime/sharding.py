@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels.quant import is_quantized, map_planes
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.moe import grouped_experts
 
 AXIS = "model"
 EXPERT_AXIS = "expert"
@@ -121,8 +122,6 @@ def expert_specs(ep: int) -> dict:
 def shard_experts(mesh: Mesh):
     """moe.grouped_experts run per device on its experts (and, within them, its columns of F):
     tokens and routing replicated, the partial outputs summed over the whole mesh."""
-    from jaxserve.models.moe import grouped_experts
-
     ep = dict(mesh.shape).get(EXPERT_AXIS, 1)
     specs = expert_specs(ep)
 

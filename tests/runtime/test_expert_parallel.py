@@ -23,20 +23,21 @@ def _engine(path: str, **kw) -> LLMEngine:
 
 def _expert_bytes(engine: LLMEngine) -> list[int]:
     """Bytes of the experts' weights (router excluded) on each of the engine's devices."""
-    moe = engine.runner.params["layers"]["moe"]
-    experts = {k: v for k, v in moe.items() if k != "router"}
+    experts = [{k: w for k, w in layer["moe"].items() if k != "router"}
+               for name, layer in engine.runner.params.items() if name.startswith("layers")]
     return [sharding.bytes_on_device(experts, d) for d in engine.runner.devices]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_ep_2_and_ep_2_x_tp_2_give_one_devices_tokens(arch, tiny_models):
+@pytest.mark.parametrize("arch, layer_loop", [("mixtral", "scan"), ("qwen3_moe", "unroll")])
+def test_ep_2_and_ep_2_x_tp_2_give_one_devices_tokens(arch, layer_loop, tiny_models):
     path, _ = tiny_models[arch]
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 1000, size=int(n)).tolist() for n in rng.integers(5, 70, 6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got, size = {}, {}
     for ep, tp in ((1, 1), (2, 1), (2, 2)):
-        engine = _engine(path, expert_parallel_size=ep, tensor_parallel_size=tp)
+        engine = _engine(path, expert_parallel_size=ep, tensor_parallel_size=tp,
+                         layer_loop=layer_loop)
         got[ep, tp] = run_staggered(engine, prompts, params, arrivals=[0, 0, 1, 2, 4, 7])
         size[ep, tp] = _expert_bytes(engine)
         assert engine.block_manager.num_used_blocks == 0
