@@ -119,6 +119,10 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1, "devices each step's model is split over (Megatron layout on a mesh axis 'model': "
            "heads, MLP columns/rows and vocabulary; the KV pool by kv head)")
+    expert_parallel_size: int = option(
+        1, "devices a mixture-of-experts model's experts are split over (a mesh axis 'expert' "
+           "beside tensor parallelism's: expert_parallel_size x tensor_parallel_size devices "
+           "in all); tokens are not exchanged, each device runs its experts' share of them")
     data_parallel_size: int = option(
         1, "independent engine replicas, each on its own group of tensor_parallel_size "
            "devices, behind one front; a router sends each request to the replica holding "
@@ -231,7 +235,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(k.value for k in kind)}, "
                                  f"got {value!r}") from None
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                    "kv_cache_memory_bytes", "tensor_parallel_size", "data_parallel_size")
+                    "kv_cache_memory_bytes", "tensor_parallel_size", "expert_parallel_size",
+                    "data_parallel_size")
         for name in positive:
             v = getattr(self, name)
             if name == "max_num_seqs" and v is None:

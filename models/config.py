@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # RMSNorm on each head's q and k before RoPE
     "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up fused in the checkpoint (split at load)
+    # mixture of experts (models/moe.py): a routed set of SwiGLU experts in place of the MLP
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # and Qwen3's q/k norms
 }
 
 
@@ -41,6 +44,15 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (models/moe.py); num_experts 0: a dense MLP in every layer.
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # k: the experts each token is routed to
+    moe_intermediate_size: int = 0  # F of each expert
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -51,6 +63,12 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts
+                                and self.moe_intermediate_size > 0):
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, "
+                f"num_experts ({self.num_experts})] and moe_intermediate_size "
+                f"({self.moe_intermediate_size}) positive")
 
     @property
     def projection_weights(self) -> int:
@@ -59,6 +77,9 @@ class ModelConfig:
         come on top, for the rows that produce logits.)"""
         d, n, kh, h, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                           self.intermediate_size)
+        if self.is_moe:  # the router, and the k experts a token is routed to
+            e, k, f = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
+            return self.num_layers * (2 * d * n * h + 2 * d * kh * h + d * e + 3 * k * d * f)
         return self.num_layers * (2 * d * n * h + 2 * d * kh * h + 3 * d * f)
 
     @classmethod
@@ -82,7 +103,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
         family = SUPPORTED_ARCHITECTURES[arch]
         # Qwen's configs name a window that only use_sliding_window turns on
-        window = (d.get("sliding_window") if family in ("mistral", "phi3")
+        window = (d.get("sliding_window") if family in ("mistral", "phi3", "mixtral")
                   or d.get("use_sliding_window") else None)
         # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
         rope = d.get("rope_parameters") or {}
@@ -90,7 +111,7 @@ class ModelConfig:
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE rotates "
                              f"whole heads)")
-        return cls(
+        return cls(**_moe_fields(d, family),
             architecture=arch,
             vocab_size=d["vocab_size"],
             hidden_size=hidden,
@@ -105,11 +126,32 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=int(window) if window else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _moe_fields(d: dict, family: str) -> dict:
+    """The mixture-of-experts fields of a HF config dict (none for a dense family)."""
+    if family == "mixtral":  # softmax over the k chosen logits: renormalised top-k
+        return dict(num_experts=d["num_local_experts"],
+                    num_experts_per_tok=d["num_experts_per_tok"],
+                    moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+    if family != "qwen3_moe":
+        return {}
+    # every layer sparse: dense layers between them would need a second layer body
+    if d.get("mlp_only_layers"):
+        raise ValueError(f"mlp_only_layers {d['mlp_only_layers']} is not supported (every layer "
+                         f"must be a mixture of experts)")
+    if d.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"decoder_sparse_step {d['decoder_sparse_step']} is not supported "
+                         f"(only 1: every layer a mixture of experts)")
+    return dict(num_experts=d.get("num_experts") or d["num_local_experts"],
+                num_experts_per_tok=d["num_experts_per_tok"],
+                moe_intermediate_size=d["moe_intermediate_size"],
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)))
 
 
 def _parse_rope_scaling(rs: dict | None) -> tuple[float, float, float, int] | None:

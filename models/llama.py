@@ -33,6 +33,7 @@ from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
 from jaxserve.kernels.quant import dequantize, is_quantized, requantize_q8
 from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.models.moe import ExpertsFn, MoE, grouped_experts
 from jaxserve.models.ordered import ordered_sum
 
 # (q (T, N, H), k_pool (L, P, B, K, H), v_pool (L, P, B, K, H), layer (), md) -> (T, N, H)
@@ -74,6 +75,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     attn_fn: AttentionFn
     block_matmul: BlockMatmulFn | None = None
+    experts_fn: ExpertsFn = grouped_experts  # a mixture of experts' (models/moe.py)
 
     @nn.compact
     def __call__(self, carry, cos, sin, md: AttentionMetadata, stacks: dict | None = None):
@@ -104,6 +106,9 @@ class DecoderLayer(nn.Module):
         x = x + o
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
+        if cfg.is_moe:
+            return (x + MoE(cfg, dt, self.experts_fn, name="moe")(y), k_pages, v_pages,
+                    layer + 1), None
         gate, up = project(y, (("w_gate", (d, f)), ("w_up", (d, f))))
         (down,) = project(nn.silu(gate) * up, (("w_down", (f, d)),))
         return (x + down, k_pages, v_pages, layer + 1), None
@@ -257,6 +262,7 @@ class Transformer(nn.Module):
     attn_fn: AttentionFn = ragged_paged_attention_reference
     scan_layers: bool = True
     block_matmul: BlockMatmulFn | None = None  # see DecoderLayer.project
+    experts_fn: ExpertsFn = grouped_experts  # see models/moe.py
 
     @nn.compact
     def __call__(
@@ -285,14 +291,15 @@ class Transformer(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast,) * 4,
                 length=cfg.num_layers,
-            )(cfg, dt, self.attn_fn, self.block_matmul, name="layers")
+            )(cfg, dt, self.attn_fn, self.block_matmul, self.experts_fn, name="layers")
             (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin,
                                                  md, stacks)
         else:  # the layer index is a Python int: static slices of the pool, no dynamic ones
             carry = (x, k_pages, v_pages, 0)
             for i in range(cfg.num_layers):
                 carry, _ = DecoderLayer(cfg, dt, self.attn_fn, self.block_matmul,
-                                         name=f"layers_{i}")(carry, cos, sin, md)
+                                         self.experts_fn, name=f"layers_{i}")(carry, cos, sin,
+                                                                               md)
             x, k_pages, v_pages, _ = carry
 
         # Every row is normalized (a (T, D) elementwise op): prompt logprobs read them all.

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxserve.kernels.quant import BLOCK, PLANES, Blocks
 from jaxserve.kernels.quant import decode as decode_blocks
-from jaxserve.models import cache
+from jaxserve.models import cache, moe
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.gguf_tokenizer import build_tokenizer
 
@@ -89,7 +89,8 @@ def _load_hf_dir(path: str) -> LoadedModel:
     tensors = {}
     for file in files:
         tensors.update(_read_safetensors(file))
-    cfg, params = hf_to_params(cfg, split_fused(cfg, tensors))
+    tensors = moe.canonical_expert_names(cfg, split_fused(cfg, tensors))
+    cfg, params = hf_to_params(cfg, tensors)
     return LoadedModel(cfg, params, load_tokenizer(path), path)
 
 
@@ -117,7 +118,8 @@ def load_tokenizer(path: str, **kw):
 # ------------------------------------------------------------------------------------- GGUF
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3moe": "Qwen3MoeForCausalLM"}  # llama with experts: Mixtral
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -134,6 +136,12 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # a mixture of experts' router, and its experts stacked (E, F, D) / (E, D, F): moe.py
+    # splits them (dequantized: the block kernels do not read experts, see the README)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
 _GGUF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -183,7 +191,7 @@ def _convert_gguf(file: str) -> LoadedModel:
                     arr = _map(arr, lambda w, n=n: _unpermute_rows(w, n))
         tensors[name] = arr
     tokenizer = _gguf_tokenizer(reader, file)
-    cfg, params = hf_to_params(cfg, tensors)
+    cfg, params = hf_to_params(cfg, moe.canonical_expert_names(cfg, tensors))
     return LoadedModel(cfg, params, tokenizer, file)
 
 
@@ -232,6 +240,14 @@ def _gguf_config(meta: dict, file: str) -> ModelConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
     }
+    experts = int(get("expert_count", 0))
+    if experts:  # llama.cpp's qwen3moe renormalises the top k (norm_topk_prob), as Mixtral
+        if arch == "llama":
+            hf["architectures"] = ["MixtralForCausalLM"]
+        hf |= {"num_experts": experts, "num_local_experts": experts,
+               "num_experts_per_tok": int(get("expert_used_count")), "norm_topk_prob": True,
+               "moe_intermediate_size": int(get("expert_feed_forward_length")
+                                            or hf["intermediate_size"])}
     return ModelConfig.from_hf(hf)
 
 
@@ -273,10 +289,12 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kh * h, d),
             p + "self_attn.v_proj.weight": (kh * h, d),
             p + "self_attn.o_proj.weight": (d, n * h),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
         }
+        if cfg.is_moe:
+            shapes |= moe.expert_hf_shapes(cfg, p)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                       p + "mlp.down_proj.weight": (d, f)}
         if cfg.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (n * h,),
                        p + "self_attn.k_proj.bias": (kh * h,),
@@ -345,10 +363,13 @@ def hf_to_params(
         # wo's blocks run along N*H: they must not straddle two heads.
         "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, -1, d),
                     blocks_fit=h % BLOCK == 0),
-        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
-        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
     }
+    if cfg.is_moe:  # models/moe.py
+        layers["moe"] = moe.expert_params(cfg, tensors)
+    else:
+        layers |= {"w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
+                   "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
+                   "w_down": stack("mlp.down_proj.weight", lambda w: w.T)}
     if cfg.attention_bias:
         layers["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(n, h))
         layers["bk"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(kh, h))

@@ -34,7 +34,7 @@ from jaxserve.testing.tiny import write_tiny_llama  # noqa: E402
 compile_cache.enable(os.environ.get(
     "JAXSERVE_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")))
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe")
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +56,7 @@ def hf_smollm():
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """{arch: (directory, torch model)} for the tiny random Llama, Qwen2 and Mistral models."""
+    """{arch: (directory, torch model)} for the tiny random models of TINY_ARCHS."""
     pytest.importorskip("torch")
     from jaxserve.testing.oracle import make_tiny_hf_model
 

@@ -34,7 +34,8 @@ def device_groups(data_parallel_size: int, tensor_parallel_size: int) -> list[li
 def build_replicas(config: EngineConfig, loaded: LoadedModel | None = None) -> list[LLMEngine]:
     """One engine per replica, the model loaded once."""
     loaded = loaded or load_model(config.model)
-    groups = device_groups(config.data_parallel_size, config.tensor_parallel_size)
+    groups = device_groups(config.data_parallel_size,
+                           config.tensor_parallel_size * config.expert_parallel_size)
     engines = [LLMEngine(config, loaded, devices=g) for g in groups]
     if len(engines) > 1:
         logger.info("data parallel: %d replicas on %s, %d KV blocks each", len(engines),

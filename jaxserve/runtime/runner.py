@@ -43,6 +43,7 @@ from jaxserve.models.llama import (
     split_layer_blocks,
 )
 from jaxserve.models.loader import LoadedModel
+from jaxserve.models.moe import grouped_experts
 from jaxserve.runtime import (
     compile_cache,
     decode_loop,
@@ -188,11 +189,13 @@ class ModelRunner:
                          else auto_kv_dtype(self.dtype, self.attention.backend))
         scan = config.layer_loop is LayerLoop.SCAN
         tp = self.tensor_parallel_size = config.tensor_parallel_size
-        self.devices = sharding.device_group(devices, tp)
+        ep = config.expert_parallel_size
+        sharding.check_experts(loaded.config, tp, ep)
+        self.devices = sharding.device_group(devices, tp, ep)
         mc, params = loaded.config, loaded.params
         self.mesh = None
-        if tp > 1:  # runtime/sharding.py: heads laid out over the mesh, attention per device
-            self.mesh = sharding.make_mesh(self.devices)
+        if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
+            self.mesh = sharding.make_mesh(self.devices, ep)
             self.head_layout = sharding.HeadLayout.plan(mc, tp)
             mc, params = sharding.relayout(mc, params, self.head_layout)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
@@ -200,7 +203,7 @@ class ModelRunner:
         # Projections kept in GGUF blocks run through the CPU kernel where it builds (it says
         # why not on other platforms; one device: XLA cannot split a custom call over a mesh);
         # else they are expanded in the step.
-        self.block_matmul = (block_matmul_or_none if keep_blocks and tp == 1
+        self.block_matmul = (block_matmul_or_none if keep_blocks and self.mesh is None
                              and self.dtype == jnp.float32 and cpu_matmul.available() is None
                              else None)
 
@@ -252,7 +255,7 @@ class ModelRunner:
                                                self.block_size, self.kv_dtype, rep)
             self._jit_kw = {}
         else:
-            specs = sharding.param_specs(params, mc.vocab_size, tp)
+            specs = sharding.param_specs(params, mc.vocab_size, tp, ep)
             self.params = jax.device_put(params, sharding.named(self.mesh, specs))
             kv_sharding = sharding.named(self.mesh, sharding.KV_SPEC)
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
@@ -269,6 +272,12 @@ class ModelRunner:
                         sharding.bytes_on_device(self.params, dev) / 2**20,
                         sharding.bytes_on_device(self.kv, dev) / 2**20, self.num_blocks,
                         self.block_size)
+            if mc.is_moe:
+                experts = [{k: w for k, w in layer["moe"].items() if k != "router"}
+                           for name, layer in self.params.items() if name.startswith("layers")]
+                logger.info("experts: %d per device of %d (expert_parallel_size=%d); expert "
+                            "weights per device %.1f MiB", mc.num_experts // ep, mc.num_experts,
+                            ep, sharding.bytes_on_device(experts, dev) / 2**20)
         # Across processes (runtime/distributed.py) the leader broadcasts each step first.
         self.multiprocess = jax.process_count() > 1
         self.broadcast = (distributed.StepBroadcast(self._dummy_inputs)
@@ -302,11 +311,13 @@ class ModelRunner:
     def _use_attention(self, backend: AttentionBackend | str, attn_fn) -> None:
         """Build the model (and the draft model) around `attn_fn`, per device under TP."""
         self._attention_backend, self._attention_fn = backend, attn_fn
+        experts_fn = grouped_experts
         if self.mesh is not None:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
+            experts_fn = sharding.shard_experts(self.mesh)
         scan = self.config.layer_loop is LayerLoop.SCAN
         self.model = Transformer(self.model_config, self.dtype, attn_fn, scan_layers=scan,
-                                 block_matmul=self.block_matmul)
+                                 block_matmul=self.block_matmul, experts_fn=experts_fn)
         if self.draft_config is not None:
             self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
                                            scan_layers=scan, block_matmul=self.block_matmul)
@@ -343,9 +354,10 @@ class ModelRunner:
         if draft is None:
             raise ValueError("speculative_method='draft_model' needs the draft model "
                              "(speculative_model)")
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 or config.expert_parallel_size > 1:
             raise ValueError("speculative_method='draft_model' runs with "
-                             "tensor_parallel_size=1 only; use 'ngram' under tensor parallelism")
+                             "tensor_parallel_size=1 and expert_parallel_size=1 only; use "
+                             "'ngram' under tensor or expert parallelism")
         if draft.config.vocab_size != loaded.config.vocab_size:
             raise ValueError(
                 f"speculative_model: its vocabulary has {draft.config.vocab_size} tokens and "

@@ -17,6 +17,15 @@ Heads must split evenly. When the kv-head count K does not divide by TP (tp):
 Either costs memory (replicated or padded K/V and weights); the startup log says which applies.
 The engine's jitted step stays one program per bucket: XLA's SPMD partitioner inserts the
 collectives from these shardings.
+
+Expert parallelism (a mixture-of-experts model, models/moe.py): with expert_parallel_size
+ep > 1 the mesh is (`expert`, `model`) = (ep, tp). Each layer's experts are split over
+`expert` (E / ep per device) and, within an expert, gate/up by columns and down by rows over
+`model`; the router, and everything else, is laid out as under TP alone (replicated over
+`expert`). A step's tokens are already on every device (attention's output is replicated), so
+they are not exchanged: each device routes all of them, runs the grouped matmul on the pairs
+routed to its own experts (shard_experts) and one all-reduce over the whole mesh sums the
+partial outputs, the same all-reduce a dense row-parallel MLP ends with.
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels.quant import is_quantized, map_planes
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.moe import grouped_experts
 
 AXIS = "model"
+EXPERT_AXIS = "expert"
 Q_SPEC = P(None, AXIS, None)  # q / attention output (T, N, H): split by head
 KV_SPEC = P(None, None, None, AXIS, None)  # the pool (L, P, B, K, H): split by kv head
 
@@ -67,21 +78,66 @@ class HeadLayout:
                f"per device)"
 
 
-def device_group(devices: list[jax.Device] | None, tp: int) -> list[jax.Device]:
-    """The tp devices one model instance runs on: `devices`, or the first tp of all."""
-    every = jax.devices()
+def device_group(devices: list[jax.Device] | None, tp: int, ep: int = 1) -> list[jax.Device]:
+    """The tp * ep devices one model instance runs on: `devices`, or the first of all."""
+    every, n = jax.devices(), tp * ep
+    what = f"tensor_parallel_size={tp}" + (f" x expert_parallel_size={ep}" if ep > 1 else "")
     if devices is None:
-        if tp > len(every):
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; this process sees "
+        if n > len(every):
+            raise ValueError(f"{what} needs {n} devices; this process sees "
                              f"{len(every)} ({every[0].platform})")
-        return every[:tp]
-    if len(devices) != tp:
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, given {len(devices)}")
+        return every[:n]
+    if len(devices) != n:
+        raise ValueError(f"{what} needs {n} devices, given {len(devices)}")
     return list(devices)
 
 
-def make_mesh(devices: list[jax.Device]) -> Mesh:
-    return Mesh(np.asarray(devices), (AXIS,))
+def make_mesh(devices: list[jax.Device], ep: int = 1) -> Mesh:
+    """A (`model`,) mesh, or (`expert`, `model`) under expert parallelism (ep > 1)."""
+    if ep == 1:
+        return Mesh(np.asarray(devices), (AXIS,))
+    return Mesh(np.asarray(devices).reshape(ep, -1), (EXPERT_AXIS, AXIS))
+
+
+def check_experts(cfg: ModelConfig, tp: int, ep: int) -> None:
+    """Raise where a model's experts cannot be split over ep x tp devices."""
+    if ep > 1 and not cfg.is_moe:
+        raise ValueError(f"expert_parallel_size={ep} needs a mixture-of-experts model; "
+                         f"{cfg.architecture} has no experts")
+    if cfg.is_moe and cfg.num_experts % ep:
+        raise ValueError(f"expert_parallel_size={ep} must divide the model's "
+                         f"{cfg.num_experts} experts")
+    if cfg.is_moe and cfg.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide each expert's "
+                         f"intermediate size ({cfg.moe_intermediate_size})")
+
+
+def expert_specs(ep: int) -> dict:
+    """Specs of one layer's MoE params (models/moe.py), no layer axis."""
+    e = EXPERT_AXIS if ep > 1 else None
+    return {"router": P(), "w_gate": P(e, None, AXIS), "w_up": P(e, None, AXIS),
+            "w_down": P(e, AXIS, None)}
+
+
+def shard_experts(mesh: Mesh):
+    """moe.grouped_experts run per device on its experts (and, within them, its columns of F):
+    tokens and routing replicated, the partial outputs summed over the whole mesh."""
+    ep = dict(mesh.shape).get(EXPERT_AXIS, 1)
+    specs = expert_specs(ep)
+
+    def local(x, weights, experts, w_gate, w_up, w_down):
+        first = jax.lax.axis_index(EXPERT_AXIS) * w_gate.shape[0] if ep > 1 else 0
+        y = grouped_experts(x, weights, experts, w_gate, w_up, w_down, first)
+        return jax.lax.psum(y, tuple(mesh.axis_names))
+
+    def per_device(x, weights, experts, w_gate, w_up, w_down):
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(P(), P(), P(), specs["w_gate"], specs["w_up"],
+                                       specs["w_down"]),
+                             out_specs=P(), check_vma=False)(x, weights, experts, w_gate, w_up,
+                                                             w_down)
+
+    return per_device
 
 
 def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelConfig, dict]:
@@ -125,7 +181,7 @@ def _head_axis(name: str) -> int:
     return 1 + tuple(_LAYER_SPECS[name]).index(AXIS)
 
 
-def param_specs(params: dict, vocab_size: int, tp: int) -> dict:
+def param_specs(params: dict, vocab_size: int, tp: int, ep: int = 1) -> dict:
     """A PartitionSpec per param leaf, for the stacked ("layers") or unrolled ("layers_i")
     layout. The vocabulary is split only when it divides by tp (else replicated)."""
     vocab = AXIS if vocab_size % tp == 0 else None
@@ -133,6 +189,10 @@ def param_specs(params: dict, vocab_size: int, tp: int) -> dict:
     def layer(tree, stacked):
         out = {}
         for name, leaf in tree.items():
+            if name == "moe":  # a mixture of experts' router and experts
+                out[name] = {k: P(None, *s) if stacked else s
+                             for k, s in expert_specs(ep).items()}
+                continue
             if is_quantized(leaf):  # every plane split like the weight (block axes divide)
                 spec = P(None, *_LAYER_SPECS[name]) if stacked else _LAYER_SPECS[name]
                 out[name] = {k: spec for k in leaf}

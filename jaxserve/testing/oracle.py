@@ -46,14 +46,24 @@ def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
     elif arch == "qwen3":  # q/k norms, and a head_dim apart from hidden / heads
         cfg = tf.Qwen3Config(head_dim=32, tie_word_embeddings=True, **common)
         cls = tf.Qwen3ForCausalLM
+    elif arch == "mixtral":  # 8 experts, top-2, renormalised; the index-sharded safetensors
+        cfg = tf.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+                               **common | {"intermediate_size": 64})
+        cls = tf.MixtralForCausalLM
+    elif arch == "qwen3_moe":  # 8 experts, top-2, not renormalised; Qwen3's q/k norms
+        cfg = tf.Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=False, head_dim=32, **common)
+        cls = tf.Qwen3MoeForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
-    if arch == "qwen3":  # norms not all ones, so a weight that loads in the wrong place shows
+    if arch in ("qwen3", "qwen3_moe"):  # norms not all ones: a misplaced weight shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
+    # the MoE checkpoints in several files named by an index, as big ones come
+    model.save_pretrained(path, max_shard_size="300KB" if "moe" in arch or arch == "mixtral"
+                          else "5GB")
     return model

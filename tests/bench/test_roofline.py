@@ -19,9 +19,17 @@ def test_projection_weights_are_the_layers_linear_weights(tiny_models):
     for arch, (_, model) in tiny_models.items():
         cfg = ModelConfig.from_hf(model.config)
         linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-        # q, k, v, o, gate, up, down (Phi-3's checkpoint fuses q/k/v and gate/up)
-        assert len(linears) == (4 if arch == "phi3" else 7) * cfg.num_layers, arch
-        assert cfg.projection_weights == sum(m.weight.numel() for m in linears), arch
+        # q, k, v, o, gate, up, down (Phi-3's checkpoint fuses q/k/v and gate/up; a mixture of
+        # experts holds its router and experts as plain parameters)
+        assert len(linears) == (4 if arch == "phi3" or cfg.is_moe else 7) * cfg.num_layers, arch
+        weights = sum(m.weight.numel() for m in linears)
+        if cfg.is_moe:  # the router, and k of the E experts
+            moe = {n: p.numel() for n, p in model.model.layers.named_parameters()
+                   if ".mlp." in n or ".block_sparse_moe." in n}
+            weights += sum(v for n, v in moe.items() if ".experts." not in n)
+            weights += (sum(v for n, v in moe.items() if ".experts." in n)
+                        * cfg.num_experts_per_tok // cfg.num_experts)
+        assert cfg.projection_weights == weights, arch
         assert model.lm_head.weight.numel() == cfg.hidden_size * cfg.vocab_size, arch
 
 

@@ -1,6 +1,6 @@
-"""Greedy token ids equal HF transformers `generate` on tiny random Llama, Qwen2, Mistral, Qwen3
-and Phi-3 models (torch, CPU, float32), with both layer loops, and log-probabilities equal HF's
-(the default model's comparisons are in test_hf_equivalence.py)."""
+"""Greedy token ids equal HF transformers `generate` on tiny random Llama, Qwen2, Mistral, Qwen3,
+Phi-3, Mixtral and Qwen3-MoE models (torch, CPU, float32), with both layer loops, and
+log-probabilities equal HF's (the default model's comparisons are in test_hf_equivalence.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.models.test_hf_equivalence import NEW_TOKENS, hf_greedy, run_staggere
 # the architecture: each loop runs the same layer).
 @pytest.mark.parametrize("arch, layer_loop", [
     (arch, loop) for arch in ("llama", "qwen2", "mistral") for loop in ("scan", "unroll")]
-    + [("qwen3", "scan"), ("phi3", "unroll")])
+    + [("qwen3", "scan"), ("phi3", "unroll"), ("mixtral", "scan"), ("qwen3_moe", "unroll")])
 def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     """A float32 pool: random weights leave near-ties between logits that a float16 pool's
     rounding (the CPU default, kept by the default model's tests) may flip."""
@@ -29,7 +29,7 @@ def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
         model=path, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
         num_kv_blocks=96, layer_loop=layer_loop, kv_cache_dtype="float32",
         token_buckets=(16, 64), block_buckets=(8,)))
-    assert engine.model_config.architecture.lower().startswith(arch)
+    assert engine.model_config.architecture.lower().startswith(arch.replace("_", ""))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = run_staggered(engine, ids, params, arrivals=[0, 0, 1, 1, 3, 4, 8, 12])
     for i, prompt_ids in enumerate(ids):
@@ -37,7 +37,7 @@ def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "mixtral", "qwen3_moe"])
 def test_tiny_models_logprobs_match_hf_under_chunking_and_preemption(arch, tiny_models):
     """Each generated token's top log-probabilities equal HF's log-softmax of its logits at
     that position (float32 tolerance), in a pool small enough that sequences are preempted

@@ -114,9 +114,9 @@ def test_a_sliding_window_caps_max_model_len(tmp_path, tiny_models):
 
 
 def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
-                     qtypes: dict[str, str] | None = None) -> None:
-    """A GGUF as llama.cpp's converter writes it: llama arch, q/k rows permuted for its RoPE.
-    `qtypes`: a GGML type (e.g. "Q4_1") per HF name suffix, for tensors stored quantized."""
+                     qtypes: dict[str, str] | None = None, arch: str = "llama") -> None:
+    """A GGUF as llama.cpp's converter writes it: `arch`, for llama q/k rows permuted for its
+    RoPE. `qtypes`: a GGML type (e.g. "Q4_1") per HF name suffix, for tensors stored quantized."""
     import gguf
     from gguf.quants import quantize
 
@@ -132,8 +132,13 @@ def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
                  "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
                  "self_attn.o_proj.weight": "attn_output.weight",
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
-    w = gguf.GGUFWriter(str(path), "llama")
+                 "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight":
+                 "ffn_gate_inp.weight", "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+                 "mlp.experts.up_proj": "ffn_up_exps.weight",
+                 "mlp.experts.down_proj": "ffn_down_exps.weight",
+                 "self_attn.q_norm.weight": "attn_q_norm.weight",
+                 "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -143,13 +148,19 @@ def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.is_moe:  # experts stacked, as "mlp.experts.{gate,up,down}_proj"
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        w.add_key_length(cfg.head_dim)
     for name, arr in tensors.items():
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             out = f"blk.{i}.{per_layer[rest]}"
-            if rest == "self_attn.q_proj.weight":
+            if arch == "llama" and rest == "self_attn.q_proj.weight":
                 arr = permute(arr, cfg.num_heads)
-            elif rest == "self_attn.k_proj.weight":
+            elif arch == "llama" and rest == "self_attn.k_proj.weight":
                 arr = permute(arr, cfg.num_kv_heads)
         else:
             out = names[name]
@@ -256,3 +267,51 @@ def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_float_load(tmp_path,
             w, f = (w["weight"], flat["layers"][key]["weight"]) if key.endswith("norm") else (
                 w, flat["layers"][key])
             np.testing.assert_array_equal(f, w, err_msg=key)
+
+
+@pytest.mark.parametrize("arch, gguf_arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_moe_gguf_loads_its_experts(arch, gguf_arch, tmp_path, tiny_models, monkeypatch):
+    """A GGUF with expert tensors (llama arch for Mixtral, as llama.cpp writes it; qwen3moe):
+    the router and the stacked experts land where the safetensors load puts them; a Q8_0
+    expert stack is expanded exactly as gguf dequantizes it."""
+    import glob
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from jaxserve.models.moe import canonical_expert_names
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = tiny_models[arch]
+    from_st = load_model(path)
+    cfg = from_st.config
+    tensors = {}
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        tensors |= load_file(f)
+    tensors = canonical_expert_names(cfg, tensors)
+    for i in range(cfg.num_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            p = f"model.layers.{i}.mlp.experts."
+            tensors[p + proj] = np.stack([tensors.pop(f"{p}{j}.{proj}.weight")
+                                          for j in range(cfg.num_experts)])
+    _write_tiny_gguf(tmp_path / "moe.gguf", tensors, cfg, {"experts.up_proj": "Q8_0"},
+                     gguf_arch)
+    got = load_model(str(tmp_path / "moe.gguf"))
+    c = got.config
+    # llama.cpp renormalises qwen3moe's top k whatever HF's config said (this one: not)
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            c.head_dim, c.qk_norm, c.norm_topk_prob) == (
+        cfg.architecture, 8, 2, cfg.moe_intermediate_size, cfg.head_dim, cfg.qk_norm, True)
+    moe, want = got.params["layers"]["moe"], from_st.params["layers"]["moe"]
+    for key in ("router", "w_gate", "w_down"):
+        np.testing.assert_array_equal(moe[key], want[key])
+    for key in ("wq", "wk", "wo"):
+        np.testing.assert_array_equal(got.params["layers"][key], from_st.params["layers"][key])
+    if cfg.qk_norm:
+        np.testing.assert_array_equal(got.params["layers"]["q_norm"]["weight"],
+                                      from_st.params["layers"]["q_norm"]["weight"])
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    up = np.stack([dequantize(quantize(np.ascontiguousarray(
+        tensors[f"model.layers.{i}.mlp.experts.up_proj"]), q8), q8) for i in range(2)])
+    np.testing.assert_array_equal(moe["w_up"], up.transpose(0, 1, 3, 2))
+    np.testing.assert_allclose(moe["w_up"], want["w_up"], atol=0.02)

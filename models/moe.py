@@ -1,0 +1,156 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE): a router picks k of E SwiGLU experts per token, in
+place of the dense MLP.
+
+Routing: softmax over the E router logits (float32), the k largest kept, renormalised to sum to
+1 where the config says so (`norm_topk_prob`: always for Mixtral, whose softmax over the k
+chosen logits is the same thing; Qwen3-MoE's own flag).
+
+The experts run grouped: a step's T*k (token, expert) pairs are sorted by expert, their rows
+gathered, and each of gate, up and down is one `jax.lax.ragged_dot` over the expert groups
+(a grouped matmul; no loop over experts). Nothing is dropped: the T*k rows are a static count,
+however they spread over the experts. The rows are put back in (token, slot) order and each
+token's k outputs summed with their routing weights, in a fixed order.
+
+`grouped_experts` computes the experts numbered [first, first + E_local) of its weights and
+leaves zeros for the pairs routed elsewhere: under expert parallelism (runtime/sharding.py)
+each device runs it on its own experts, and the partial outputs are summed over the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.config import ModelConfig
+
+# (x (T, D), weights (T, k), experts (T, k), w_gate (E, D, F), w_up (E, D, F), w_down (E, F, D))
+# -> (T, D): the routed experts' weighted sum per token (grouped_experts, or sharded over a mesh)
+ExpertsFn = Callable[..., jax.Array]
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits (T, E) -> routing weights (T, k) float32 and expert ids (T, k) int32."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
+                    w_up: jax.Array, w_down: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    """x (T, D); weights, experts (T, k); w_gate, w_up (El, D, F); w_down (El, F, D): the
+    experts [first, first + El) -> (T, D), each token's routed outputs weighted and summed
+    (zero from pairs routed to experts outside the range)."""
+    t, k = experts.shape
+    num_local = w_gate.shape[0]
+    local = experts.reshape(-1) - first  # (T*k,)
+    is_local = (local >= 0) & (local < num_local)
+    key = jnp.where(is_local, local, num_local)  # pairs routed elsewhere sort last
+    order = jnp.argsort(key, stable=True)  # (T*k,) pair indices grouped by expert
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # (El,)
+    rows = x[order // k]  # (T*k, D)
+    h = (jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, sizes))
+         * jax.lax.ragged_dot(rows, w_up, sizes))  # (T*k, F)
+    y = jax.lax.ragged_dot(h, w_down, sizes)  # (T*k, D)
+    y = jnp.where(is_local[order][:, None], y, 0)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    y = y[back].reshape(t, k, -1)  # (T, k, D): (token, slot) order again
+    return jnp.sum(y * weights[..., None].astype(y.dtype), axis=1)
+
+
+def grouped_experts_reference(x, weights, experts, w_gate, w_up, w_down, first=0):
+    """grouped_experts in plain jnp: every local expert on every token, the routed ones kept."""
+    num_local = w_gate.shape[0]
+    h = jax.nn.silu(jnp.einsum("TD,EDF->TEF", x, w_gate)) * jnp.einsum("TD,EDF->TEF", x, w_up)
+    every = jnp.einsum("TEF,EFD->TED", h, w_down)  # (T, El, D)
+    local = experts - first  # (T, k)
+    chosen = jnp.take_along_axis(every, jnp.clip(local, 0, num_local - 1)[..., None], axis=1)
+    keep = ((local >= 0) & (local < num_local))[..., None]
+    return jnp.sum(jnp.where(keep, chosen, 0) * weights[..., None], axis=1)  # (T, D)
+
+
+class MoE(nn.Module):
+    """Router and experts of one layer: y (T, D) -> (T, D)."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    experts_fn: ExpertsFn = grouped_experts
+
+    @nn.compact
+    def __call__(self, y):  # (T, D)
+        cfg, dt = self.cfg, self.dtype
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        init = nn.initializers.normal(0.02)
+        router = self.param("router", init, (d, e), dt)
+        w_gate = self.param("w_gate", init, (e, d, f), dt)
+        w_up = self.param("w_up", init, (e, d, f), dt)
+        w_down = self.param("w_down", init, (e, f, d), dt)
+        logits = jnp.einsum("TD,DE->TE", y, router, preferred_element_type=jnp.float32)
+        weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return self.experts_fn(y, weights, experts, w_gate, w_up, w_down).astype(y.dtype)
+
+
+# ------------------------------------------------------------------------------------ loading
+
+# Mixtral's names for one expert's projections -> the names the loader reads (Qwen's)
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def canonical_expert_names(cfg: ModelConfig, tensors: dict) -> dict:
+    """A checkpoint's expert tensors under one naming: `mlp.gate.weight` (E, D) and
+    `mlp.experts.{j}.{gate,up,down}_proj.weight`. Reads Mixtral's `block_sparse_moe.*` names,
+    the fused (E, 2F, D) `gate_up_proj` / (E, D, F) `down_proj` layout and the stacked (E, F, D)
+    `gate_proj` / `up_proj` a GGUF holds (loader.py names them so)."""
+    if not cfg.is_moe:
+        return tensors
+    f = cfg.moe_intermediate_size
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        head, _, tail = name.rpartition(".experts.")
+        if tail in ("gate_up_proj", "gate_proj", "up_proj", "down_proj"):  # every expert
+            for j in range(t.shape[0]):
+                if tail != "gate_up_proj":
+                    out[f"{head}.experts.{j}.{tail}.weight"] = t[j]
+                else:
+                    out[f"{head}.experts.{j}.gate_proj.weight"] = t[j, :f]
+                    out[f"{head}.experts.{j}.up_proj.weight"] = t[j, f:]
+            continue
+        parts = name.split(".")
+        if len(parts) > 2 and parts[-2] in _MIXTRAL and ".experts." in name:
+            parts[-2] = _MIXTRAL[parts[-2]]
+            name = ".".join(parts)
+        out[name] = t
+    return out
+
+
+def expert_hf_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The HF shapes of one layer's router and experts, `prefix` the layer's."""
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    shapes = {prefix + "mlp.gate.weight": (e, d)}
+    for j in range(e):
+        p = f"{prefix}mlp.experts.{j}."
+        shapes |= {p + "gate_proj.weight": (f, d), p + "up_proj.weight": (f, d),
+                   p + "down_proj.weight": (d, f)}
+    return shapes
+
+
+def expert_params(cfg: ModelConfig, tensors: dict) -> dict:
+    """Every layer's MoE params stacked on axis 0: router (L, D, E), w_gate and w_up
+    (L, E, D, F), w_down (L, E, F, D), float32."""
+    def stack(fn):
+        return np.stack([fn(f"model.layers.{i}.mlp.") for i in range(cfg.num_layers)])
+
+    def experts(p, proj):
+        return np.stack([np.asarray(tensors[f"{p}experts.{j}.{proj}.weight"]).T
+                         for j in range(cfg.num_experts)])
+
+    return {"router": stack(lambda p: np.asarray(tensors[p + "gate.weight"]).T),
+            "w_gate": stack(lambda p: experts(p, "gate_proj")),
+            "w_up": stack(lambda p: experts(p, "up_proj")),
+            "w_down": stack(lambda p: experts(p, "down_proj"))}
