@@ -121,6 +121,8 @@ class ModelConfig:
         gemma = _gemma3_fields(d) if family == "gemma3" else {}
         if gemma:
             rope = gemma.pop("rope")
+        elif window and family in ("qwen2", "qwen3"):  # the first max_window_layers are global
+            gemma["global_layers"] = _qwen_global_layers(d)
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -142,6 +144,15 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **gemma,
         )
+
+
+def _qwen_global_layers(d: dict) -> tuple[int, ...]:
+    """Qwen2/3 slide only from layer max_window_layers on (or where layer_types says)."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or [
+        "sliding_attention" if i >= d.get("max_window_layers", n) else "full_attention"
+        for i in range(n)]
+    return tuple(i for i, t in enumerate(types) if t != "sliding_attention")
 
 
 def _gemma3_fields(d: dict) -> dict:

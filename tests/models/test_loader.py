@@ -97,6 +97,10 @@ def test_qwen3_config_has_qk_norms_and_its_own_head_dim():
     assert ModelConfig.from_hf(hf | {"sliding_window": 4}).sliding_window is None
     assert ModelConfig.from_hf(hf | {"use_sliding_window": True,
                                      "sliding_window": 4}).sliding_window == 4
+    # as HF's Qwen2/3: layers below max_window_layers see their whole context
+    two = ModelConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4,
+                                    "num_hidden_layers": 3, "max_window_layers": 2})
+    assert two.global_layers == (0, 1) and two.local_layers == (2,)
     with pytest.raises(ValueError, match="^partial_rotary_factor"):
         ModelConfig.from_hf(hf | {"partial_rotary_factor": 0.5})
 
