@@ -317,13 +317,14 @@ def test_reference_write_hits_one_layer_and_drops_padding_slots():
 @pytest.mark.parametrize("backend, dtype", [
     (b, d) for b in ("pallas", "triton") for d in ("float32", "bfloat16")] + [
     ("mosaic", "bfloat16"), ("mosaic", "float16")])
-def test_gpu_kernels_match_reference(backend, dtype):
+@pytest.mark.parametrize("window", [None, 24])
+def test_gpu_kernels_match_reference(backend, dtype, window):
     from jaxserve.kernels.attention.choose import select_attention
 
     _, fn = select_attention(backend)
     q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype, head_dim=64)
-    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
-    got = fn(q, k, v, LAYER, md)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    got = fn(q, k, v, LAYER, md, window=window)
     assert_close(got, want, t, dtype)
 
 
