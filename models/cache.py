@@ -21,7 +21,7 @@ from jaxserve.kernels.cache_dir import cache_home
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-_FORMAT = 3  # bump when the param layout changes, so stale entries are ignored
+_FORMAT = 4  # bump when the param layout changes, so stale entries are ignored
 
 
 def cache_root() -> str | None:
@@ -50,7 +50,9 @@ def load(source: str) -> tuple[ModelConfig, dict[str, Any], Any] | None:
             raw = json.load(f)
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
         if raw["rope_scaling"] is not None:
-            raw["rope_scaling"] = tuple(raw["rope_scaling"])
+            raw["rope_scaling"] = tuple((k, tuple(v) if isinstance(v, list) else v)
+                                        for k, v in raw["rope_scaling"])
+        raw["global_layers"] = tuple(raw.get("global_layers", ()))
         cfg = ModelConfig(**raw)
         with ocp.StandardCheckpointer() as ck:
             params = ck.restore(os.path.join(d, "params"))

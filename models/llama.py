@@ -1,4 +1,11 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax linen, over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 3, SmolLM2) in Flax linen,
+over a paged KV cache.
+
+Gemma 3 is the same layer with its switches on (ModelConfig): (1 + w) norms, norms on the
+attention and MLP outputs, a scaled embedding, GELU gating, soft-capped logits, and
+local layers that see a sliding window and rotate with a RoPE base of their own. Under the
+scanned loop the layer index is traced, so a layer's window and RoPE table are picked from
+per-layer arrays; unrolled, they are static.
 
 The forward takes one step's tokens (prefill chunks and decodes mixed, flattened to T rows) and
 the KV pages, and returns the updated pages plus the logits of the rows that produce them.
@@ -28,11 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.kernels.attention.base import NO_WINDOW
 from jaxserve.kernels.attention.kv_write import write_kv
 from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
 from jaxserve.kernels.quant import dequantize, is_quantized, requantize_q8
-from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.models.config import (
+    ModelConfig,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_long_from,
+)
 from jaxserve.models.moe import ExpertsFn, MoE, grouped_experts
 from jaxserve.models.ordered import ordered_sum
 
@@ -50,6 +63,7 @@ LAYER_BLOCKS = "layer_blocks"  # a scanned model's block-matmul weights: split_l
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype
+    offset: float = 0.0  # Gemma scales by (offset + weight), in float32 before the cast
 
     @nn.compact
     def __call__(self, x):  # (T, D)
@@ -57,7 +71,36 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         mean_square = ordered_sum(x32 * x32, keepdims=True) / x.shape[-1]  # batch-invariant
         x32 = x32 * jax.lax.rsqrt(mean_square + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + w.astype(jnp.float32))).astype(self.dtype)
         return w * x32.astype(self.dtype)
+
+
+
+
+def layer_windows(cfg: ModelConfig) -> np.ndarray | None:
+    """(L,) int32: each layer's sliding window (NO_WINDOW for the global ones), or None for a
+    model without windows."""
+    if cfg.sliding_window is None:
+        return None
+    return np.array([cfg.layer_window(i) or NO_WINDOW for i in range(cfg.num_layers)],
+                    np.int32)
+
+
+def attention_options(cfg: ModelConfig, layer: jax.Array | int) -> dict:
+    """The keyword arguments of layer `layer`'s attention call that the model sets."""
+    kw = {}
+    if cfg.attn_scale is not None:
+        kw["scale"] = cfg.attn_scale
+    windows = layer_windows(cfg)
+    if windows is None:
+        return kw
+    if isinstance(layer, int) or len(set(windows.tolist())) == 1:
+        # static where it can be: a kernel then skips the pages before the window's
+        kw["window"] = int(windows[layer if isinstance(layer, int) else 0])
+    else:
+        kw["window"] = jnp.asarray(windows)[layer]
+    return kw
 
 
 def apply_rope(x, cos, sin):  # x (T, heads, H); cos/sin (T, H/2)
@@ -80,37 +123,53 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, cos, sin, md: AttentionMetadata, stacks: dict | None = None):
         """`stacks`: {name: every layer's weight, stacked} for projections read in place at
-        this layer's index (LAYER_BLOCKS) instead of from this layer's params."""
+        this layer's index (LAYER_BLOCKS) instead of from this layer's params. `cos`, `sin`:
+        (T, H/2), or a pair (global, local) of them where local layers rotate apart."""
         x, k_pages, v_pages, layer = carry  # x (T, D); pages (L, P, B, K, H); layer ()
         cfg, dt = self.cfg, self.dtype
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(cfg.rms_norm_eps, dt, cfg.norm_offset, name=name)
+
+        if isinstance(cos, tuple):  # pick this layer's table
+            is_local = (cfg.layer_window(layer) is not None if isinstance(layer, int) else
+                        jnp.asarray(layer_windows(cfg) != NO_WINDOW)[layer])
+            cos, sin = (jnp.where(is_local, cos[1], cos[0]), jnp.where(is_local, sin[1], sin[0]))
         d, n, kh, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size)
 
         def project(x, group, contract=1):
             return self.project(x, group, contract, stacks, layer)
 
-        y = RMSNorm(cfg.rms_norm_eps, dt, name="input_norm")(x)
+        y = norm("input_norm")(x)
         q, k, v = project(y, (("wq", (d, n, h)), ("wk", (d, kh, h)), ("wv", (d, kh, h))))
         if cfg.attention_bias:
             q = q + self.param("bq", nn.initializers.zeros, (n, h), dt)
             k = k + self.param("bk", nn.initializers.zeros, (kh, h), dt)
             v = v + self.param("bv", nn.initializers.zeros, (kh, h), dt)
         if cfg.qk_norm:  # over each head's H
-            q = RMSNorm(cfg.rms_norm_eps, dt, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, dt, name="k_norm")(k)
+            q = norm("q_norm")(q)
+            k = norm("k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
-        attn = self.attn_fn(q, k_pages, v_pages, layer, md)  # (T, N, H)
+        attn = self.attn_fn(q, k_pages, v_pages, layer, md,
+                            **attention_options(cfg, layer))  # (T, N, H)
         (o,) = project(attn.reshape(attn.shape[0], n * h), (("wo", (n, h, d)),), 2)
-        x = x + o
-
-        y = RMSNorm(cfg.rms_norm_eps, dt, name="post_attention_norm")(x)
+        if cfg.sandwich_norms:  # HF's post_attention_layernorm is on the attention's output
+            x = x + norm("post_attention_norm")(o)
+            y = norm("pre_feedforward_norm")(x)
+        else:
+            x = x + o
+            y = norm("post_attention_norm")(x)
         if cfg.is_moe:
             return (x + MoE(cfg, dt, self.experts_fn, name="moe")(y), k_pages, v_pages,
                     layer + 1), None
         gate, up = project(y, (("w_gate", (d, f)), ("w_up", (d, f))))
-        (down,) = project(nn.silu(gate) * up, (("w_down", (f, d)),))
+        act = nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        (down,) = project(act * up, (("w_down", (f, d)),))
+        if cfg.sandwich_norms:
+            down = norm("post_feedforward_norm")(down)
         return (x + down, k_pages, v_pages, layer + 1), None
 
     def project(self, x: jax.Array, group: tuple[tuple[str, tuple[int, ...]], ...],
@@ -251,9 +310,17 @@ def lm_logits(cfg: ModelConfig, x: jax.Array, params: dict,
         logits = block_matmul(x, [params[HEAD_BLOCKS]], 1,
                               [(cfg.hidden_size, cfg.vocab_size)], None, rows)
         if logits is not None:
-            return logits[0]
+            return soft_cap_logits(cfg, logits[0])
     spec = "ND,VD->NV" if cfg.tie_word_embeddings else "ND,DV->NV"
-    return jnp.einsum(spec, x, head_weight(cfg, params), preferred_element_type=jnp.float32)
+    logits = jnp.einsum(spec, x, head_weight(cfg, params), preferred_element_type=jnp.float32)
+    return soft_cap_logits(cfg, logits)
+
+
+def soft_cap_logits(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+    """The model's final logit soft-capping (Gemma), where it has one."""
+    if cfg.final_softcap is None:
+        return logits
+    return jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
 
 
 class Transformer(nn.Module):
@@ -277,10 +344,26 @@ class Transformer(nn.Module):
         embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                            dt)
         x = embed[input_ids]  # (T, D)
+        if cfg.embed_scale != 1.0:  # Gemma: rounded to the weights' dtype, as HF does
+            x = x * jnp.asarray(cfg.embed_scale, dt)
 
-        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # (H/2,)
-        freqs = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
-        cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
+        def rope_table(local: bool):  # (T, H/2) each
+            pos = md.positions.astype(jnp.float32)[:, None]
+            freqs = pos * jnp.asarray(rope_inv_freq(cfg, local))[None, :]
+            long_from = rope_long_from(cfg, local)
+            if long_from is not None:  # LongRoPE: positions from long_from on rotate long
+                long = pos * jnp.asarray(rope_inv_freq(cfg, local, long=True))[None, :]
+                freqs = jnp.where(md.positions[:, None] >= long_from, long, freqs)
+            factor = rope_attention_factor(cfg, local)
+            cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+            if factor != 1.0:
+                cos, sin = cos * factor, sin * factor
+            return cos.astype(dt), sin.astype(dt)
+
+        cos, sin = rope_table(False)
+        if cfg.local_rope_theta is not None:  # local layers rotate with their own base
+            (cos_l, sin_l) = rope_table(True)
+            cos, sin = (cos, cos_l), (sin, sin_l)
 
         if self.scan_layers:
             # stacks that every iteration reads whole, at its layer index (the module doc)
@@ -303,7 +386,7 @@ class Transformer(nn.Module):
             x, k_pages, v_pages, _ = carry
 
         # Every row is normalized (a (T, D) elementwise op): prompt logprobs read them all.
-        x = RMSNorm(cfg.rms_norm_eps, dt, name="final_norm")(x)  # (T, D)
+        x = RMSNorm(cfg.rms_norm_eps, dt, cfg.norm_offset, name="final_norm")(x)  # (T, D)
         if not cfg.tie_word_embeddings:
             self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size,
                                                                   cfg.vocab_size), dt)

@@ -301,6 +301,9 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kh * h,)}
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)}
+        if cfg.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (d,),
+                       p + "post_feedforward_layernorm.weight": (d,)}
     return shapes
 
 
@@ -377,6 +380,9 @@ def hf_to_params(
     if cfg.qk_norm:
         layers["q_norm"] = {"weight": stack("self_attn.q_norm.weight", lambda w: w)}
         layers["k_norm"] = {"weight": stack("self_attn.k_norm.weight", lambda w: w)}
+    if cfg.sandwich_norms:
+        for name in ("pre_feedforward", "post_feedforward"):
+            layers[f"{name}_norm"] = {"weight": stack(f"{name}_layernorm.weight", lambda w: w)}
     params = {
         "embed": tensors["model.embed_tokens.weight"],
         "layers": layers,

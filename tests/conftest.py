@@ -34,7 +34,7 @@ from jaxserve.testing.tiny import write_tiny_llama  # noqa: E402
 compile_cache.enable(os.environ.get(
     "JAXSERVE_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")))
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe")
 
 
 @pytest.fixture(scope="session")

@@ -114,12 +114,6 @@ class LLMEngine:
         self.config = config = config.on_platform(platform)
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
-        window = self.model_config.sliding_window
-        if window is not None and config.max_model_len > window:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's sliding window "
-                f"({window}), and sliding-window attention is not served yet: set "
-                f"max_model_len <= {window}")
         self.tokenizer = self.loaded.tokenizer
         self.decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         draft = (load_model(config.speculative_model)

@@ -31,6 +31,7 @@ partial outputs, the same all-reduce a dense row-parallel MLP ends with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -223,13 +224,23 @@ def shard_attention(attn_fn, mesh: Mesh):
     """`attn_fn` run per device on its heads: q split by head, the pool by kv head, the
     metadata replicated; each device's output is its own heads."""
 
-    def per_device(q, k_pool, v_pool, layer, md):
+    def per_device(q, k_pool, v_pool, layer, md, **kw):
+        # a traced window (scanned layers of mixed windows) goes in replicated; the rest of
+        # the options are static
+        window = kw.pop("window", None)
+        fn = functools.partial(attn_fn, **kw)
         if isinstance(layer, int):  # unrolled layers pass a static index: keep it static
-            return jax.shard_map(lambda q, k, v, md: attn_fn(q, k, v, layer, md), mesh=mesh,
-                                 in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, P()), out_specs=Q_SPEC,
-                                 check_vma=False)(q, k_pool, v_pool, md)
-        return jax.shard_map(attn_fn, mesh=mesh, in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, P(), P()),
-                             out_specs=Q_SPEC, check_vma=False)(q, k_pool, v_pool, layer, md)
+            return jax.shard_map(lambda q, k, v, md: fn(q, k, v, layer, md, window=window),
+                                 mesh=mesh, in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, P()),
+                                 out_specs=Q_SPEC, check_vma=False)(q, k_pool, v_pool, md)
+        if window is None or isinstance(window, int):
+            return jax.shard_map(lambda q, k, v, layer, md: fn(q, k, v, layer, md, window=window),
+                                 mesh=mesh, in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, P(), P()),
+                                 out_specs=Q_SPEC, check_vma=False)(q, k_pool, v_pool, layer, md)
+        return jax.shard_map(lambda q, k, v, layer, md, w: fn(q, k, v, layer, md, window=w),
+                             mesh=mesh, in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, P(), P(), P()),
+                             out_specs=Q_SPEC, check_vma=False)(q, k_pool, v_pool, layer, md,
+                                                                window)
 
     return per_device
 

@@ -39,10 +39,23 @@ def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
     elif arch == "qwen2":
         cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
     elif arch == "mistral":
-        cfg, cls = tf.MistralConfig(sliding_window=None, **common), tf.MistralForCausalLM
+        # a window shorter than most prompts: every layer slides
+        cfg, cls = tf.MistralConfig(sliding_window=24, **common), tf.MistralForCausalLM
     elif arch == "phi3":  # q/k/v and gate/up fused in the checkpoint
         cfg = tf.Phi3Config(pad_token_id=0, sliding_window=None, **common)
         cls = tf.Phi3ForCausalLM
+    elif arch == "gemma3":  # a window shorter than the prompts, soft-capping, local/global
+        common |= dict(num_hidden_layers=3, head_dim=32, sliding_window=16,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                       attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                       query_pre_attn_scalar=24, rope_parameters={
+                           "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                              "rope_theta": 100000.0},
+                           "sliding_attention": {"rope_type": "default",
+                                                 "rope_theta": 10000.0}}) | overrides
+        # attn_logit_softcapping set: transformers' Gemma 3 never applies it, nor may we
+        cfg = tf.Gemma3TextConfig(pad_token_id=0, **common)
+        cls = tf.Gemma3ForCausalLM
     elif arch == "qwen3":  # q/k norms, and a head_dim apart from hidden / heads
         cfg = tf.Qwen3Config(head_dim=32, tie_word_embeddings=True, **common)
         cls = tf.Qwen3ForCausalLM
@@ -58,7 +71,8 @@ def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
-    if arch in ("qwen3", "qwen3_moe"):  # norms not all ones: a misplaced weight shows
+    # norms not all ones, so a weight that loads in the wrong place shows
+    if arch in ("qwen3", "qwen3_moe", "gemma3"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from jaxserve.kernels.attention.metadata import AttentionMetadata
 
 
+# The window of a layer that has none, where a kernel takes a number: wider than any context.
+NO_WINDOW = 1 << 30
+
+
 class AttentionBackend(enum.StrEnum):
     """The names a config may give; auto names no backend of its own (choose.py)."""
 
@@ -44,6 +48,7 @@ class AttentionFn(Protocol):
         md: AttentionMetadata,
         *,
         scale: float | None = None,  # default H ** -0.5
+        window: jax.Array | int | None = None,  # () int32: keys a row sees, its own included
     ) -> jax.Array:  # (T, N, H) in q's dtype; padding rows unspecified
         ...
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.attention.base import AttentionBackend, Backend
+from jaxserve.kernels.attention.base import NO_WINDOW, AttentionBackend, Backend
 from jaxserve.kernels.attention.metadata import AttentionMetadata, check_attention_inputs
 from jaxserve.kernels.cpu_library import library
 
@@ -51,9 +51,11 @@ def ragged_paged_attention_cpu(
     md: AttentionMetadata,
     *,
     scale: float | None = None,
+    window: jax.Array | int | None = None,
     block_q: int = 16,
 ) -> jax.Array:  # (T, N, H) float32; padding rows are zeros
-    """Same contract as `ragged_paged_attention_reference`; query tiles of `block_q` rows."""
+    """Same contract as `ragged_paged_attention_reference`; query tiles of `block_q` rows.
+    A tile reads its keys from its first row's window on, not from the sequence's start."""
     check_attention_inputs(q, k_pool, v_pool, md, PAGE_DTYPES)
     why = BACKEND.unavailable(dtype=q.dtype, head_dim=q.shape[-1],
                               groups=q.shape[1] // k_pool.shape[3])
@@ -62,9 +64,10 @@ def ragged_paged_attention_cpu(
     if not 1 <= block_q <= 64:
         raise ValueError(f"block_q must be in [1, 64], got {block_q}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), md.block_tables,
-                md.positions, md.query_start_loc, scale=np.float32(scale),
+                md.positions, md.query_start_loc, window, scale=np.float32(scale),
                 block_q=np.int64(block_q))
 
 

@@ -22,7 +22,8 @@ they overlap the MMAs of the steps in between. Each step waits on its slot's K b
 S = Q K^T (f32 accumulator), masks causally per row (key position <= the row's token position),
 updates the online softmax in f32 (base-2 exponentials, the scale folded into log2 e), waits on
 the V barrier and accumulates P V. The walk stops at the last page the tile's last token can
-see; entries past a sequence's own pages are clamped into the table and masked out.
+see, and with a sliding window starts at the step holding the first key its first token still
+sees; entries past a sequence's own pages are clamped into the table and masked out.
 
 **The step's KV write stays a separate scatter** (kv_write.py, before this call), as for the
 other backends. Fusing it (TMA stores of the step's new K/V rows into their pages, the pool
@@ -52,7 +53,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.kernels.attention.base import AttentionBackend, Backend, pool_of_model_dtype
+from jaxserve.kernels.attention.base import (
+    NO_WINDOW,
+    AttentionBackend,
+    Backend,
+    pool_of_model_dtype,
+)
 from jaxserve.kernels.attention.metadata import (
     AttentionMetadata,
     check_attention_inputs,
@@ -98,6 +104,7 @@ def _kernel(
     ctx_ref,  # (S,) int32: context length after this step
     bt_ref,  # (S, MB) int32: block tables
     layer_ref,  # (1,) int32: which layer of the pool to read
+    window_ref,  # (1,) int32: keys a row sees, its own included (NO_WINDOW: all)
     q_ref,  # (K, NT, 64, H): each tile's queries, folded (row: token * G + head)
     k_ref,  # (L, P, B, K, H)
     v_ref,  # (L, P, B, K, H)
@@ -148,12 +155,16 @@ def _kernel(
 
     @pl.when(x.active)
     def _():
-        layer = layer_ref[0]
-        num_steps = lax.div(x.last_pos, jnp.int32(keys)) + 1
+        layer, window = layer_ref[0], window_ref[0]
+        # steps [first_step, last_step) of the walk hold keys the tile sees; the ring's slots
+        # count from the first
+        first_step = lax.div(jnp.maximum(x.first_pos - window + 1, 0), jnp.int32(keys))
+        num_steps = lax.div(x.last_pos, jnp.int32(keys)) + 1 - first_step
 
         def fetch(step, slot):
             for p in range(pages_per_step):
-                blk = bt_ref[seq, jnp.minimum(step * pages_per_step + p, width - 1)]
+                at = (first_step + step) * pages_per_step + p
+                blk = bt_ref[seq, jnp.minimum(at, width - 1)]
                 rows_p = pl.ds(p * page, page)
                 plgpu.copy_gmem_to_smem(k_ref.at[layer, blk, :, kh, :], k_smem.at[slot, rows_p],
                                         k_bar.at[slot])
@@ -178,7 +189,9 @@ def _kernel(
             plgpu.barrier_wait(k_bar.at[slot])
 
             s = mma(q_smem, k_smem.at[slot], (rows, keys), transpose_b=True)
-            s = jnp.where(key_ids + step * keys <= row_pos, s * (scale * _LOG2E), -jnp.inf)
+            key_pos = key_ids + (first_step + step) * keys
+            seen = (key_pos <= row_pos) & (key_pos > row_pos - window)
+            s = jnp.where(seen, s * (scale * _LOG2E), -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             # rows that see no key yet keep m = -inf: rescale against 0 instead of -inf - -inf
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -258,6 +271,7 @@ def ragged_paged_attention_mosaic(
     md: AttentionMetadata,
     *,
     scale: float | None = None,
+    window: jax.Array | int | None = None,
     pages_per_step: int = 4,
     num_stages: int = 3,
     interpret: bool = False,
@@ -278,8 +292,9 @@ def ragged_paged_attention_mosaic(
                   pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
                   interpret=interpret)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
-               tile_queries(q, md, tile_seq, tile_row, kv_heads, TILE_ROWS), k_pages,
+               window, tile_queries(q, md, tile_seq, tile_row, kv_heads, TILE_ROWS), k_pages,
                v_pages)  # (K, NT, 64, H)
     return unfold_tiles(out, md, tokens, groups)
 

@@ -13,7 +13,8 @@ smallest dot) are `rows // G` tokens of one sequence times the G heads. It loads
 queries in one block, walks the sequence's pages up to the last position its tokens can see
 (causal per row), reading each K/V page in place through the block table once for all G heads,
 keeps an online softmax in float32, and stores its whole tile to its own output slot; the
-wrapper maps the tiles back to (T, N, H).
+wrapper maps the tiles back to (T, N, H). With a sliding window the walk starts at the page
+holding the first key its first token still sees.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxserve.kernels.attention.base import AttentionBackend, Backend, pool_of_model_dtype
+from jaxserve.kernels.attention.base import (
+    NO_WINDOW,
+    AttentionBackend,
+    Backend,
+    pool_of_model_dtype,
+)
 from jaxserve.kernels.attention.metadata import (
     AttentionMetadata,
     check_attention_inputs,
@@ -34,6 +40,7 @@ from jaxserve.kernels.attention.metadata import (
     tile_rows,
     unfold_tiles,
 )
+from jaxserve.kernels.attention.reference import visible
 
 try:  # deprecated in JAX 0.11, and gone from later JAX
     from jax.experimental.pallas import triton as plgpu
@@ -52,6 +59,7 @@ def _kernel(
     ctx_ref,  # (S,) int32: context length after this step
     bt_ref,  # (S, MB) int32: block tables
     layer_ref,  # (1,) int32: which layer of the pool to read
+    window_ref,  # (1,) int32: keys a row sees, its own included (NO_WINDOW: all)
     q_ref,  # (K, T * G + R, H): queries folded per kv head (row: token * G + head)
     k_ref,  # (L, P, B, K, H)
     v_ref,  # (L, P, B, K, H)
@@ -68,8 +76,9 @@ def _kernel(
 
     @pl.when(x.active)
     def _():
-        layer = layer_ref[0]
+        layer, window = layer_ref[0], window_ref[0]
         num_pages = x.last_pos // page + 1
+        first_page = jnp.maximum(x.first_pos - window + 1, 0) // page
         q = plgpu.load(q_ref.at[kh, pl.ds((x.start + x.row0) * groups, rows), :])  # (R, H)
         # position of each row's token; rows past the tile's tokens are never read back
         row_pos = x.first_pos + jnp.arange(rows, dtype=jnp.int32) // groups  # (R,)
@@ -81,7 +90,7 @@ def _kernel(
             v = plgpu.load(v_ref.at[layer, blk, :, kh, :])  # (B, H)
             key_pos = j * page + jnp.arange(page, dtype=jnp.int32)  # (B,)
             s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # (R, B)
-            s = jnp.where(key_pos[None, :] <= row_pos[:, None], s, -jnp.inf)
+            s = jnp.where(visible(key_pos[None, :], row_pos[:, None], window), s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))  # (R,)
             # Rows that see no key yet keep m = -inf; guard the rescale against inf - inf.
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -94,7 +103,7 @@ def _kernel(
 
         init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
                 jnp.zeros((rows, h), jnp.float32))
-        _, denom, acc = jax.lax.fori_loop(0, num_pages, body, init)
+        _, denom, acc = jax.lax.fori_loop(first_page, num_pages, body, init)
         out = acc / jnp.where(denom == 0, 1.0, denom)[:, None]
         plgpu.store(o_ref.at[kh, tile], out.astype(o_ref.dtype))
 
@@ -130,6 +139,7 @@ def ragged_paged_attention(
     md: AttentionMetadata,
     *,
     scale: float | None = None,
+    window: jax.Array | int | None = None,
     block_q: int = 16,
     interpret: bool = False,
     num_warps: int = 4,
@@ -140,9 +150,10 @@ def ragged_paged_attention(
     The pools hold every layer; `layer` picks one, so the caller never slices a copy out.
     Rows of sequence s are q[query_start_loc[s]:query_start_loc[s + 1]], at positions ending at
     context_lens[s] - 1; each attends causally to its sequence's first (position + 1) keys,
-    found through block_tables[s]. Rows past query_start_loc[-1] are padding and come back
-    unspecified. float32, bfloat16 or float16 inputs; float32 accumulation. `block_q`: the
-    fewest rows of a tile (16, Triton's smallest dot); G > block_q heads take a larger tile.
+    found through block_tables[s], or to the newest `window` of them. Rows past
+    query_start_loc[-1] are padding and come back unspecified. float32, bfloat16 or float16
+    inputs; float32 accumulation. `block_q`: the fewest rows of a tile (16, Triton's smallest
+    dot); G > block_q heads take a larger tile.
     """
     check_attention_inputs(q, k_pages, v_pages, md)
     t, n, h = q.shape
@@ -155,8 +166,9 @@ def ragged_paged_attention(
     call = _build(num_tiles, rows, h, kv_heads, groups, q.dtype, scale=scale,
                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
-               fold_queries(q, kv_heads, rows), k_pages, v_pages)  # (K, NT, R, H)
+               window, fold_queries(q, kv_heads, rows), k_pages, v_pages)  # (K, NT, R, H)
     return unfold_tiles(out, md, tokens, groups)
 
 

@@ -1,7 +1,9 @@
 """Reference ragged paged attention in plain jnp: the CPU path and the oracle for the kernels.
 
 Every query token attends to its own sequence's keys at positions <= its own position, which is
-causal inside a prefill chunk and full over the context cached by earlier steps. The keys are
+causal inside a prefill chunk and full over the context cached by earlier steps. With a `window`
+W (a sliding-window layer), a token at position p sees only keys in (p - W, p]: the W newest,
+its own included, as HF's sliding-window mask. The keys are
 gathered through the block table per token, so memory is O(T * MB * B * K * H): fine for a CPU and
 for tests; the Pallas and Triton kernels read blocks in place instead.
 """
@@ -23,6 +25,7 @@ def ragged_paged_attention_reference(
     md: AttentionMetadata,
     *,
     scale: float | None = None,
+    window: jax.Array | int | None = None,
 ) -> jax.Array:  # (T, N, H)
     t, n, h = q.shape
     _, _, b, kh, _ = k_pool.shape
@@ -43,12 +46,19 @@ def ragged_paged_attention_reference(
     qg = q.reshape(t, kh, g, h)
     scores = jnp.einsum("tkgh,tckh->tkgc", qg, k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(mb * b, dtype=jnp.int32)
-    mask = key_pos[None, :] <= md.positions[:, None]  # (T, C)
+    mask = visible(key_pos[None, :], md.positions[:, None], window)  # (T, C)
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("tkgc,tckh->tkgh", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(t, n, h).astype(q.dtype)
+
+
+def visible(key_pos: jax.Array, pos: jax.Array, window: jax.Array | int | None) -> jax.Array:
+    """Whether a key at `key_pos` is in view of a query at `pos` (broadcast): causal, and
+    within the newest `window` keys where there is one."""
+    seen = key_pos <= pos
+    return seen if window is None else seen & (key_pos > pos - window)
 
 
 class ReferenceBackend(Backend):

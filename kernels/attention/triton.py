@@ -18,7 +18,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.attention.base import AttentionBackend, Backend, pool_of_model_dtype
+from jaxserve.kernels.attention.base import (
+    NO_WINDOW,
+    AttentionBackend,
+    Backend,
+    pool_of_model_dtype,
+)
 from jaxserve.kernels.attention.metadata import (
     AttentionMetadata,
     check_attention_inputs,
@@ -51,6 +56,7 @@ if triton is not None:
         v_ptr,  # (L, P, B, KH, H)
         bt_ptr,  # (S, MB) int32
         layer_ptr,  # (1,) int32
+        window_ptr,  # (1,) int32: keys a row sees, its own included (NO_WINDOW: all)
         qsl_ptr,  # (S + 1,) int32
         ctx_ptr,  # (S,) int32
         tile_seq_ptr,  # (NT,) int32
@@ -72,12 +78,14 @@ if triton is not None:
         seq = tl.load(tile_seq_ptr + tile)
         row0 = tl.load(tile_row_ptr + tile)
         layer = tl.load(layer_ptr)
+        window = tl.load(window_ptr)
         start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - start
         if row0 < q_len:
             first_pos = tl.load(ctx_ptr + seq) - q_len + row0  # the tile's first token's
             last_pos = first_pos + tl.minimum(R // G, q_len - row0) - 1
             num_pages = last_pos // B + 1
+            first_page = tl.maximum(first_pos - window + 1, 0) // B  # the window's oldest
             offs_r = tl.arange(0, R)
             offs_h = tl.arange(0, H)
             offs_b = tl.arange(0, B)
@@ -88,7 +96,7 @@ if triton is not None:
             m = tl.full([R], float("-inf"), tl.float32)
             denom = tl.zeros([R], tl.float32)
             acc = tl.zeros([R, H], tl.float32)
-            for j in range(0, num_pages):
+            for j in range(first_page, num_pages):
                 blk = tl.load(bt_ptr + seq * MB + j)
                 # (B,) rows of the flattened pool; int64 since big pools pass 2**31
                 page_row = (layer.to(tl.int64) * P + blk) * B + offs_b
@@ -97,7 +105,9 @@ if triton is not None:
                 v = tl.load(v_ptr + kv_off)
                 s = tl.dot(q, tl.trans(k)) * scale
                 key_pos = j * B + offs_b
-                s = tl.where(key_pos[None, :] <= row_pos[:, None], s, float("-inf"))
+                seen = (key_pos[None, :] <= row_pos[:, None]) & (
+                    key_pos[None, :] > row_pos[:, None] - window)
+                s = tl.where(seen, s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp(s - m_safe[:, None])
@@ -123,7 +133,7 @@ class Launch(NamedTuple):
 
 
 def plan_launch(q, k_pages, layer, md: AttentionMetadata, *, scale: float | None = None,
-                block_q: int = 16) -> Launch:
+                window: jax.Array | int | None = None, block_q: int = 16) -> Launch:
     t, n, h = q.shape
     _, p, b, kv_heads, _ = k_pages.shape
     groups = n // kv_heads
@@ -134,6 +144,7 @@ def plan_launch(q, k_pages, layer, md: AttentionMetadata, *, scale: float | None
     q_fold = fold_queries(q, kv_heads, rows)
     return Launch(
         args=(q_fold, md.block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
+              jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1),
               md.query_start_loc, md.context_lens, tile_seq, tile_row),
         consts=dict(scale=float(scale), MB=md.block_tables.shape[1], P=p, KH=kv_heads, H=h,
                     B=b, R=rows, G=groups, NT=num_tiles, QR=q_fold.shape[1]),
@@ -151,6 +162,7 @@ def ragged_paged_attention_triton(
     md: AttentionMetadata,
     *,
     scale: float | None = None,
+    window: jax.Array | int | None = None,
     block_q: int = 16,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -160,7 +172,7 @@ def ragged_paged_attention_triton(
     if reason:
         raise ValueError(reason)
     check_attention_inputs(q, k_pages, v_pages, md)
-    plan = plan_launch(q, k_pages, layer, md, scale=scale, block_q=block_q)
+    plan = plan_launch(q, k_pages, layer, md, scale=scale, window=window, block_q=block_q)
     q_fold, *ints = plan.args
     out = jt.triton_call(
         q_fold, k_pages, v_pages, *ints,

@@ -28,12 +28,16 @@ import jax.numpy as jnp
 
 from jaxserve.kernels.attention.base import AttentionBackend, Backend
 from jaxserve.kernels.attention.metadata import AttentionMetadata, query_tiles
-from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
+from jaxserve.kernels.attention.reference import (
+    ragged_paged_attention_reference,
+    visible,
+)
 
 _MASKED = -1e30  # a masked score: finite, so a row with nothing seen yet never makes NaNs
 
 
-def _online_attention(q, q_pos, tables, k_pool, v_pool, layer, scale, chunk_blocks):
+def _online_attention(q, q_pos, tables, k_pool, v_pool, layer, scale, chunk_blocks,
+                      window=None):
     """q (R, Q, K, G, H) queries of R rows (or tiles) of Q tokens, q_pos (R, Q) their positions,
     tables (R, MB) the blocks of each one's sequence -> (R, Q, K, G, H) float32.
 
@@ -54,7 +58,7 @@ def _online_attention(q, q_pos, tables, k_pool, v_pool, layer, scale, chunk_bloc
         k = k_pool[layer, ids].reshape(r, c * b, kh, h).astype(q.dtype)
         v = v_pool[layer, ids].reshape(r, c * b, kh, h).astype(q.dtype)
         s = jnp.einsum("rqkgh,rckh->rqkgc", q, k, preferred_element_type=jnp.float32) * scale
-        seen = j * c * b + offs[None, None, :] <= q_pos[:, :, None]  # (R, Q, cB)
+        seen = visible(j * c * b + offs[None, None, :], q_pos[:, :, None], window)  # (R, Q, cB)
         s = jnp.where(seen[:, :, None, None, :], s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
@@ -69,12 +73,12 @@ def _online_attention(q, q_pos, tables, k_pool, v_pool, layer, scale, chunk_bloc
     return acc / norm[..., None]
 
 
-def _attend(q, k, v, q_pos, scale):
+def _attend(q, k, v, q_pos, scale, window=None):
     """The whole context at once: q (R, Q, K, G, H) against k, v (R, C, K, H); q_pos (R, Q)
     -> (R, Q, K, G, H) float32."""
     scores = jnp.einsum("rqkgh,rckh->rqkgc", q, k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # (R, Q, C)
+    mask = visible(key_pos[None, None, :], q_pos[:, :, None], window)  # (R, Q, C)
     scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("rqkgc,rckh->rqkgh", probs.astype(v.dtype), v,
@@ -100,6 +104,7 @@ def ragged_paged_attention_xla(
     md: AttentionMetadata,
     *,
     scale: float | None = None,
+    window: jax.Array | int | None = None,
     block_q: int = 16,
     min_rows_per_seq: int = 8,
     chunk_blocks: int | None = None,
@@ -121,11 +126,11 @@ def ragged_paged_attention_xla(
             first = dataclasses.replace(md, positions=md.positions[:rows],
                                         token_seq=md.token_seq[:rows])
             out = ragged_paged_attention_reference(q[:rows], k_pool, v_pool, layer, first,
-                                                   scale=scale)
+                                                   scale=scale, window=window)
             return out.astype(jnp.float32)
         out = _online_attention(
             q[:rows].reshape(rows, 1, kh, g, h), md.positions[:rows, None],
-            md.block_tables[md.token_seq[:rows]], k_pool, v_pool, layer, scale, c)
+            md.block_tables[md.token_seq[:rows]], k_pool, v_pool, layer, scale, c, window)
         return out.reshape(rows, n, h)
 
     if t < min_rows_per_seq * s or t <= s:  # every row on the per-row path
@@ -150,9 +155,10 @@ def ragged_paged_attention_xla(
     if c is None:
         k = k_pool[layer, tables].reshape(num_tiles, mb * b, kh, h).astype(q.dtype)
         v = v_pool[layer, tables].reshape(num_tiles, mb * b, kh, h).astype(q.dtype)
-        tail = _attend(q_tiles, k, v, q_pos, scale)
+        tail = _attend(q_tiles, k, v, q_pos, scale, window)
     else:
-        tail = _online_attention(q_tiles, q_pos, tables, k_pool, v_pool, layer, scale, c)
+        tail = _online_attention(q_tiles, q_pos, tables, k_pool, v_pool, layer, scale, c,
+                                 window)
     tail = tail.reshape(num_tiles * block_q, n, h)
     out = jnp.zeros((t, n, h), jnp.float32).at[:s].set(head)
     out = out.at[rows.reshape(-1)].set(tail, mode="drop")

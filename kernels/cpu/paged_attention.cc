@@ -15,6 +15,8 @@
 //   layer        () int32              the layer whose pages are read
 //   block_tables (S, MB) int32
 //   positions    (T,) int32            a row sees keys 0..position of its sequence
+//   window       (1,) int32            ... and of those only the newest `window` (a sliding-
+//                                      window layer; a window past every position: all)
 //   query_start  (S + 1,) int32        sequence s owns rows [query_start[s], query_start[s+1])
 //   out          (T, N, H) float32     rows no sequence owns (padding) are zero
 #include <algorithm>
@@ -126,7 +128,7 @@ struct Problem {
   const int32_t* tables;
   const int32_t* positions;
   float* out;
-  int64_t n, kv_heads, groups, pages, block, max_blocks;
+  int64_t n, kv_heads, groups, pages, block, max_blocks, window;
   float scale;
 };
 
@@ -216,13 +218,16 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   const int64_t rows = tile.rows, rg = rows * G;
   const int32_t* table = pr.tables + tile.seq * pr.max_blocks;
   const int64_t cap = pr.max_blocks * B;
-  // Keys each row sees (positions rise through a tile; clamped to the table's reach).
-  int64_t seen[64];
+  // Keys each row sees, [first, seen) (positions rise through a tile; clamped to the table's
+  // reach). The tile reads from its first row's first key, rounded down to a whole vector.
+  int64_t seen[64], first[64];
   int64_t n_keys = 1;
   for (int64_t r = 0; r < rows; ++r) {
     seen[r] = std::clamp<int64_t>(int64_t{pr.positions[tile.row0 + r]} + 1, 1, cap);
+    first[r] = std::max<int64_t>(seen[r] - pr.window, 0);
     n_keys = std::max(n_keys, seen[r]);
   }
+  const int64_t begin = first[0] / W * W;
   const int64_t stride = (n_keys + W - 1) / W * W;  // a row of scores, padded to whole vectors
   const int64_t row_floats = K * H;  // one token's keys (or values), all kv heads
   // Every buffer is laid out (kv head, row, head of the group, ...): u = (kh * rows + r) * G + g.
@@ -242,14 +247,14 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   // bounds a long context): their key rows stay in L1 for every head and row of the tile, and
   // each key's dot product is left as eight partial sums, added up for all eight at once.
   // Keys past the last (to a whole vector) repeat it; the softmax masks them.
-  for (int64_t c0 = 0; c0 < n_keys; c0 += W)
+  for (int64_t c0 = begin; c0 < n_keys; c0 += W)
     for (int64_t kh = 0; kh < K; ++kh) {
       const T* kr[W];
       for (int j = 0; j < W; ++j)
         kr[j] = token_row<T>(pr, pr.k_pages, table, std::min(c0 + j, n_keys - 1), row_floats) +
                 kh * H;
       for (int64_t r = 0; r < rows; ++r) {
-        if (c0 >= seen[r]) continue;
+        if (c0 >= seen[r] || c0 + W <= first[r]) continue;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t u = (kh * rows + r) * G + g;
           v8 qv[HV];
@@ -265,24 +270,27 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
       }
     }
   // Softmax over each row's own keys. The rest of its scores (the keys only the tile's later
-  // rows see, and the padding to whole vectors) become exact zeros before the sum, so adding
-  // them changes nothing: a row sums alike whatever the other rows of its tile reach.
+  // rows see, those that left its window, and the padding to whole vectors) become exact
+  // zeros before the sum, so adding them changes nothing: a row sums alike whatever the other
+  // rows of its tile reach.
   const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
   for (int64_t u = 0; u < units; ++u) {
     float* s = sc.p.data() + u * stride;
-    const int64_t n = seen[(u / G) % rows];
+    const int64_t n = seen[(u / G) % rows], f = first[(u / G) % rows];
+    for (int64_t c = begin; c < f; ++c) s[c] = -1e30f;
     for (int64_t c = n; c < stride; ++c) s[c] = -1e30f;
     v8 m8 = splat(-1e30f);
-    for (int64_t c = 0; c < stride; c += W) {
+    for (int64_t c = begin; c < stride; c += W) {
       v8 x = load(s + c);
       m8 = x > m8 ? x : m8;
     }
     float m = m8[0];
     for (int i = 1; i < W; ++i) m = std::max(m, m8[i]);
     v8 sum = splat(0.f);
-    for (int64_t c = 0; c < stride; c += W) {
+    for (int64_t c = begin; c < stride; c += W) {
       v8 e = exp_nonpositive(load(s + c) - splat(m));
-      const v8i own = lane + static_cast<int32_t>(c) < static_cast<int32_t>(n);
+      const v8i at = lane + static_cast<int32_t>(c);
+      const v8i own = (at < static_cast<int32_t>(n)) & (at >= static_cast<int32_t>(f));
       e = (v8)(own & (v8i)e);
       store(s + c, e);
       sum += e;
@@ -292,11 +300,11 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   // Probabilities times values, kKeyChunk keys at a time, a row's group heads a few at a time
   // (weigh_values).
   constexpr int U = kUnits<HV>;
-  for (int64_t c0 = 0; c0 < n_keys; c0 += kKeyChunk)
+  for (int64_t c0 = begin; c0 < n_keys; c0 += kKeyChunk)
     for (int64_t kh = 0; kh < K; ++kh)
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t c1 = std::min(c0 + kKeyChunk, seen[r]);
-        if (c1 <= c0) continue;
+        const int64_t lo = std::max(c0, first[r]), c1 = std::min(c0 + kKeyChunk, seen[r]);
+        if (c1 <= lo) continue;
         for (int64_t g0 = 0; g0 < G; g0 += U) {
           const int count = static_cast<int>(std::min<int64_t>(U, G - g0));
           const float* probs[U];
@@ -306,7 +314,7 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
             probs[k] = sc.p.data() + u * stride;
             acc[k] = sc.acc.data() + u * H;
           }
-          weigh_values_n<Pages, HV>(count, pr, table, kh, c0, c1, probs, acc);
+          weigh_values_n<Pages, HV>(count, pr, table, kh, lo, c1, probs, acc);
         }
       }
   for (int64_t kh = 0; kh < K; ++kh)
@@ -346,7 +354,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::AnyBuffer v_pool,
                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                      ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> query_start,
-                     ffi::ResultBuffer<ffi::F32> out, float scale, int64_t block_q) {
+                     ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out, float scale,
+                     int64_t block_q) {
   const auto qd = q.dimensions();
   const auto pd = k_pool.dimensions();
   if (qd.size() != 3 || pd.size() != 5 || block_tables.dimensions().size() != 2)
@@ -360,7 +369,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       v_pool.dimensions().size() != 5 || !std::equal(pd.begin(), pd.end(),
                                                      v_pool.dimensions().begin()) ||
       pd[4] != h || n % kv_heads != 0 || n / kv_heads > 16 || block_q < 1 ||
-      block_q > 64 || query_start.element_count() != s + 1)
+      block_q > 64 || query_start.element_count() != s + 1 || window.element_count() != 1 ||
+      window.typed_data()[0] < 1)
     return ffi::Error::InvalidArgument(
         "paged attention: unsupported shapes or pool types (k and v pools alike, float32, "
         "float16 or bfloat16)");
@@ -370,7 +380,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
              static_cast<const char*>(v_pool.untyped_data()) + l * layer_bytes,
              block_tables.typed_data(),
              positions.typed_data(), out->typed_data(), n, kv_heads, n / kv_heads,
-             pd[1], pd[2], block_tables.dimensions()[1], scale};
+             pd[1], pd[2], block_tables.dimensions()[1], window.typed_data()[0], scale};
 
   // Padding rows (past the last sequence's) come out as zeros.
   const int32_t* qsl = query_start.typed_data();
@@ -401,6 +411,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("block_q"));

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels.attention.base import NO_WINDOW
 from jaxserve.kernels.attention.kv_write import write_kv
 from jaxserve.kernels.attention.metadata import folded_tiles, query_tiles, row_tiles, tile_queries
 from jaxserve.kernels.attention.mosaic import TILE_ROWS, ragged_paged_attention_mosaic
@@ -156,6 +157,74 @@ def test_mosaic_random_ragged_batches(seed):
     assert_close(got, want, t, "bfloat16")
 
 
+def dense_attention(q, k, v, layer: int, md, window: int | None) -> np.ndarray:
+    """Each real row's attention over its sequence's keys in (position - window, position],
+    gathered token by token in numpy: the sliding window's oracle for the reference."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    tables, positions = np.asarray(md.block_tables), np.asarray(md.positions)
+    qsl, b = np.asarray(md.query_start_loc), k.shape[2]
+    out = np.zeros(q.shape)
+    groups = q.shape[1] // k.shape[3]
+    for s in range(len(qsl) - 1):
+        for row in range(qsl[s], qsl[s + 1]):
+            pos = positions[row]
+            keys = range(0 if window is None else max(pos - window + 1, 0), pos + 1)
+            kk = np.stack([k[layer, tables[s, c // b], c % b] for c in keys])  # (C, K, H)
+            vv = np.stack([v[layer, tables[s, c // b], c % b] for c in keys])
+            for head in range(q.shape[1]):
+                scores = kk[:, head // groups] @ q[row, head] * q.shape[-1] ** -0.5
+                p = np.exp(scores - scores.max())
+                out[row, head] = p @ vv[:, head // groups] / p.sum()
+    return out
+
+
+WINDOWS = [1, 7, 16, 40]  # one key, inside a block, a block, several blocks (contexts to 81)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_reference_sliding_window_matches_dense_attention(window):
+    q, k, v, md, t = make_case(3, MIXED, kv_heads=2, groups=3, dtype="float32")
+    got = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    assert_close(got, dense_attention(q, k, v, 1, md, window), t, "float32")
+    full = ragged_paged_attention_reference(q, k, v, LAYER, md)
+    assert not np.allclose(np.asarray(got[:t]), np.asarray(full[:t]))
+    wide = ragged_paged_attention_reference(q, k, v, LAYER, md, window=NO_WINDOW)
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(full))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("min_rows_per_seq, chunk_blocks", [(1, 1), (1, None), (1000, 2)])
+def test_xla_backend_sliding_window(window, min_rows_per_seq, chunk_blocks):
+    """Per row and per tile, whole and walked in chunks; the window traced, as a scanned
+    model of local and global layers passes it."""
+    q, k, v, md, t = make_case(4, MIXED, kv_heads=2, groups=3, dtype="float32", block_size=8)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    got = jax.jit(lambda q, k, v, md, w: ragged_paged_attention_xla(
+        q, k, v, LAYER, md, window=w, block_q=4, min_rows_per_seq=min_rows_per_seq,
+        chunk_blocks=chunk_blocks))(q, k, v, md, jnp.int32(window))
+    assert_close(got, want, t, "float32")
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_pallas_sliding_window(window):
+    """The walk starts at the first page a tile's first token sees: tiles whose window begins
+    inside a page, on a page boundary, and before the first page."""
+    q, k, v, md, t = make_case(5, MIXED, kv_heads=2, groups=3, dtype="float32", block_size=8)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    got = ragged_paged_attention(q, k, v, LAYER, md, window=jnp.int32(window), interpret=True)
+    assert_close(got, want, t, "float32")
+
+
+@pytest.mark.parametrize("window", [7, 40])
+def test_mosaic_sliding_window(window):
+    """The ring of slots counts from the first step the tile's window reaches."""
+    q, k, v, md, t = make_case(6, MIXED, kv_heads=2, groups=3, dtype="bfloat16", head_dim=64,
+                               block_size=8)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    got = ragged_paged_attention_mosaic(q, k, v, LAYER, md, window=window, interpret=True)
+    assert_close(got, want, t, "bfloat16")
+
+
 @pytest.mark.parametrize("groups", [1, 3, 4, 8])
 def test_tile_queries_put_each_tile_at_row_zero_of_its_slot(groups):
     """Row r of a tile's slot is folded row (start + row0) * G + r of the tile's kv head (token
@@ -248,17 +317,18 @@ def test_reference_write_hits_one_layer_and_drops_padding_slots():
 @pytest.mark.parametrize("backend, dtype", [
     (b, d) for b in ("pallas", "triton") for d in ("float32", "bfloat16")] + [
     ("mosaic", "bfloat16"), ("mosaic", "float16")])
-def test_gpu_kernels_match_reference(backend, dtype):
+@pytest.mark.parametrize("window", [None, 24])
+def test_gpu_kernels_match_reference(backend, dtype, window):
     from jaxserve.kernels.attention.choose import select_attention
 
     _, fn = select_attention(backend)
     q, k, v, md, t = make_case(1, MIXED, kv_heads=2, groups=3, dtype=dtype, head_dim=64)
-    want = ragged_paged_attention_reference(q, k, v, LAYER, md)
-    got = fn(q, k, v, LAYER, md)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    got = fn(q, k, v, LAYER, md, window=window)
     assert_close(got, want, t, dtype)
 
 
-def run_triton_interpreted(dtype: str, groups: int) -> None:
+def run_triton_interpreted(dtype: str, groups: int, window: int | None = None) -> None:
     """The jax-triton backend's kernel, launched as it plans, by Triton's interpreter on torch
     CPU tensors (a process with TRITON_INTERPRET=1 set before triton is imported)."""
     import torch
@@ -266,21 +336,23 @@ def run_triton_interpreted(dtype: str, groups: int) -> None:
     from jaxserve.kernels.attention.triton import _kernel, plan_launch
 
     q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype)
-    plan = plan_launch(q, k, LAYER, md)
+    plan = plan_launch(q, k, LAYER, md, window=window)
     as_torch = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
     q_fold, *ints = map(as_torch, plan.args)
     out = torch.empty(plan.out_shape, dtype=q_fold.dtype)
     _kernel[plan.grid](q_fold, as_torch(k), as_torch(v), *ints, out, **plan.consts)
     got = plan.unfold(jnp.asarray(out.numpy()))
-    assert_close(got, ragged_paged_attention_reference(q, k, v, LAYER, md), t, dtype)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    assert_close(got, want, t, dtype)
 
 
-@pytest.mark.parametrize("dtype, groups", [("float32", 3), ("float16", 8)])
-def test_triton_kernel_matches_reference_in_tritons_interpreter(dtype, groups):
+@pytest.mark.parametrize("dtype, groups, window", [("float32", 3, None), ("float16", 8, None),
+                                                   ("float32", 3, 20)])
+def test_triton_kernel_matches_reference_in_tritons_interpreter(dtype, groups, window):
     pytest.importorskip("triton", reason="the triton package is not installed")
     pytest.importorskip("torch", reason="torch is not installed")
     code = ("from tests.kernels.test_attention import run_triton_interpreted as run; "
-            f"run({dtype!r}, {groups})")
+            f"run({dtype!r}, {groups}, {window})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -296,7 +368,8 @@ def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, monkeypatch):
     from jaxserve.kernels.attention.triton import _kernel
 
     ptrs = ["q_ptr", "k_ptr", "v_ptr", "o_ptr"]
-    ints = ["bt_ptr", "layer_ptr", "qsl_ptr", "ctx_ptr", "tile_seq_ptr", "tile_row_ptr"]
+    ints = ["bt_ptr", "layer_ptr", "window_ptr", "qsl_ptr", "ctx_ptr", "tile_seq_ptr",
+            "tile_row_ptr"]
     consts = {"scale": 0.125, "MB": 32, "P": 1024, "KH": 8, "H": 128, "B": 16, "R": 16, "G": 4,
               "NT": 40, "QR": 528}
     sig = {p: f"*{dtype}" for p in ptrs} | {p: "*i32" for p in ints} | dict.fromkeys(

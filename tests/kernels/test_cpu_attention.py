@@ -85,6 +85,18 @@ def test_random_ragged_batches(seed):
     assert_close(got, ragged_paged_attention_reference(q, k, v, LAYER, md), t, "float32")
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+@pytest.mark.parametrize("block_q", [1, 16])
+def test_sliding_window_matches_reference(window, block_q):
+    """A tile reads from its first row's window on; each row masks the keys that left its
+    own, including those its tile's first row still sees."""
+    q, k, v, md, t = make_case(8, MIXED, kv_heads=2, groups=3, dtype="float32", block_size=8)
+    got = jax.jit(lambda q, k, v, md, w: ragged_paged_attention_cpu(
+        q, k, v, LAYER, md, window=w, block_q=block_q))(q, k, v, md, jnp.int32(window))
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    assert_close(got, want, t, "float32")
+
+
 def test_reads_only_the_blocks_each_row_reaches():
     """Tables widened to 12 blocks whose extra entries point at a page of NaNs: a key read
     past a row's position, or a block past its context, would bring them in."""

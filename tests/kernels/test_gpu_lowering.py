@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
@@ -44,13 +45,17 @@ def hopper():
         yield
 
 
-def lower_for_cuda(backend: str, groups: int, head_dim: int, dtype: str, batch: str) -> str:
+def lower_for_cuda(backend: str, groups: int, head_dim: int, dtype: str, batch: str,
+                   window: int | None = None) -> str:
+    """`window`: a sliding window, traced (as a scanned model of local and global layers
+    passes it)."""
     kernel, _ = KERNELS[backend]
     q, k, v, md, _ = make_case(0, BATCHES[batch], kv_heads=2, groups=groups, dtype=dtype,
                                block_size=BLOCK_SIZE, head_dim=head_dim)
-    f = jax.jit(lambda q, k, v, md: kernel(q, k, v, LAYER, md))
+    f = jax.jit(lambda q, k, v, md, w: kernel(q, k, v, LAYER, md, window=w))
+    w = None if window is None else jnp.int32(window)
     with hopper():
-        return f.trace(q, k, v, md).lower(lowering_platforms=("cuda",)).as_text()
+        return f.trace(q, k, v, md, w).lower(lowering_platforms=("cuda",)).as_text()
 
 
 CASES = [  # the pallas kernel also serves float32 models
@@ -69,3 +74,9 @@ def test_gpu_kernel_lowers_for_hopper(backend, groups, head_dim, dtype, batch):
     assert text.count(KERNELS[backend][1]) == 1
     if backend == "pallas":
         assert 'name = "ragged_paged_attention"' in text
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_gpu_kernel_lowers_for_hopper_with_a_sliding_window(backend):
+    text = lower_for_cuda(backend, 3, 64, "bfloat16", "mixed", window=24)
+    assert text.count(KERNELS[backend][1]) == 1

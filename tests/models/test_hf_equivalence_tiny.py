@@ -1,6 +1,8 @@
 """Greedy token ids equal HF transformers `generate` on tiny random Llama, Qwen2, Mistral, Qwen3,
-Phi-3, Mixtral and Qwen3-MoE models (torch, CPU, float32), with both layer loops, and
-log-probabilities equal HF's (the default model's comparisons are in test_hf_equivalence.py)."""
+Phi-3, Gemma 3, Mixtral and Qwen3-MoE models (torch, CPU, float32), with both layer loops, and
+log-probabilities equal HF's (the default model's comparisons are in test_hf_equivalence.py).
+Mistral's window (24) and Gemma 3's (16, on two local layers around a global one) are shorter than
+most prompts."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from tests.models.test_hf_equivalence import NEW_TOKENS, hf_greedy, run_staggere
 # the architecture: each loop runs the same layer).
 @pytest.mark.parametrize("arch, layer_loop", [
     (arch, loop) for arch in ("llama", "qwen2", "mistral") for loop in ("scan", "unroll")]
-    + [("qwen3", "scan"), ("phi3", "unroll"), ("mixtral", "scan"), ("qwen3_moe", "unroll")])
+    + [("qwen3", "scan"), ("phi3", "unroll"), ("gemma3", "scan"), ("gemma3", "unroll"),
+       ("mixtral", "scan"), ("qwen3_moe", "unroll")])
 def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     """A float32 pool: random weights leave near-ties between logits that a float16 pool's
     rounding (the CPU default, kept by the default model's tests) may flip."""
@@ -37,7 +40,7 @@ def test_tiny_random_models_match_hf(arch, layer_loop, tiny_models):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe"])
 def test_tiny_models_logprobs_match_hf_under_chunking_and_preemption(arch, tiny_models):
     """Each generated token's top log-probabilities equal HF's log-softmax of its logits at
     that position (float32 tolerance), in a pool small enough that sequences are preempted

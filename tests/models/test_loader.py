@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxserve import EngineConfig, LLMEngine
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import expected_hf_shapes, load_model
 
@@ -78,7 +77,10 @@ def test_rope_parameters_from_transformers5_config():
                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192}}
     cfg = ModelConfig.from_hf(hf)
-    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == (8.0, 1.0, 4.0, 8192)
+    assert cfg.rope_theta == 500000.0
+    assert dict(cfg.rope_scaling) == {"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
     assert "model.layers.0.self_attn.q_proj.weight" in expected_hf_shapes(cfg)
 
 
@@ -95,22 +97,46 @@ def test_qwen3_config_has_qk_norms_and_its_own_head_dim():
     assert ModelConfig.from_hf(hf | {"sliding_window": 4}).sliding_window is None
     assert ModelConfig.from_hf(hf | {"use_sliding_window": True,
                                      "sliding_window": 4}).sliding_window == 4
+    # as HF's Qwen2/3: layers below max_window_layers see their whole context
+    two = ModelConfig.from_hf(hf | {"use_sliding_window": True, "sliding_window": 4,
+                                    "num_hidden_layers": 3, "max_window_layers": 2})
+    assert two.global_layers == (0, 1) and two.local_layers == (2,)
     with pytest.raises(ValueError, match="^partial_rotary_factor"):
         ModelConfig.from_hf(hf | {"partial_rotary_factor": 0.5})
 
 
-def test_a_sliding_window_caps_max_model_len(tmp_path, tiny_models):
-    """Windows are not served: an engine whose max_model_len passes the model's window is
-    refused naming max_model_len; within it the window changes nothing, and it loads."""
-    src, _ = tiny_models["mistral"]
-    shutil.copytree(src, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))
-    with pytest.raises(ValueError, match="^max_model_len"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "m"), max_model_len=128))
-    engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), max_model_len=64,
-                                    token_buckets=(16,), block_buckets=(4,)))
-    assert engine.model_config.sliding_window == 64
+def test_gemma3_config_in_both_of_transformers_forms():
+    """layer_types and rope_parameters per layer type (transformers 5), or the Hub's older
+    sliding_window_pattern, rope_theta, rope_local_base_freq and rope_scaling: the same
+    ModelConfig."""
+    base = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 10, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 6, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 4,
+            "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0}
+    old = ModelConfig.from_hf(base | {
+        "sliding_window_pattern": 3, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    new = ModelConfig.from_hf(base | {"layer_types": types, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert old == new
+    assert new.global_layers == (2, 5) and new.local_layers == (0, 1, 3, 4)
+    assert new.layer_window(0) == 4 and new.layer_window(2) is None
+    assert new.rope_theta == 1e6 and new.local_rope_theta == 1e4
+    assert dict(new.rope_scaling) == {"rope_type": "linear", "factor": 8.0}
+    assert new.tie_word_embeddings and new.qk_norm and new.sandwich_norms
+    assert new.attn_scale == 16 ** -0.5 and new.final_softcap == 30.0
+    assert new.embed_scale == 4.0 and new.norm_offset == 1.0 and new.hidden_act == "gelu_tanh"
+    shapes = expected_hf_shapes(new)
+    assert shapes["model.layers.5.pre_feedforward_layernorm.weight"] == (16,)
+    assert "lm_head.weight" not in shapes
+    assert ModelConfig.from_hf(base | {"model_type": "gemma3_text",
+                                       "architectures": None}) == ModelConfig.from_hf(base)
+    with pytest.raises(ValueError, match="^layer_types"):
+        ModelConfig.from_hf(base | {"layer_types": ["full_attention"]})
+    with pytest.raises(ValueError, match="^hidden_activation"):
+        ModelConfig.from_hf(base | {"hidden_activation": "relu"})
 
 
 def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,

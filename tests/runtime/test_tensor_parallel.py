@@ -40,11 +40,12 @@ def _device_bytes(engine: LLMEngine) -> tuple[int, int]:
     return sharding.bytes_on_device(r.params, dev), sharding.bytes_on_device(r.kv, dev)
 
 
-# Each architecture once and each layer loop at least once: the loop and the architecture are
-# independent of the split (every pairing is checked against HF at tp 1 in
+# Each architecture once and each layer loop at least once (Gemma 3 scanned: its local and
+# global layers pass a traced window into the per-device attention): the loop and the
+# architecture are independent of the split (every pairing is checked against HF at tp 1 in
 # test_hf_equivalence_tiny).
 @pytest.mark.parametrize("arch, layer_loop", [("llama", "scan"), ("qwen2", "unroll"),
-                                              ("mistral", "scan")])
+                                              ("mistral", "scan"), ("gemma3", "scan")])
 def test_tiny_models_give_the_same_tokens_at_tp_1_2_4(arch, layer_loop, tiny_models):
     """4 query / 2 kv heads: tp 2 splits evenly, tp 4 replicates each kv head twice."""
     path, _ = tiny_models[arch]
