@@ -78,7 +78,9 @@ class ZeroCostRunner:
         return StepOutput(tokens, counts), done
 
     def fetch(self, step: tuple[StepOutput, float], want_logprobs: bool,
-              want_prompt_logprobs: bool = False) -> StepOutput:
+              want_prompt_logprobs: bool = False, want_pooled: bool = False) -> StepOutput:
+        if want_pooled:
+            raise ValueError("the zero-cost runner computes no hidden states to pool")
         out, done = step
         if (wait := done - time.perf_counter()) > 0:
             time.sleep(wait)
