@@ -3,9 +3,9 @@
 A sequence keeps one row while it is scheduled step after step (a persistent batch). A block
 table changes in place only by appends (core/block_manager.py; anything else gives the sequence
 a new list), so while a row's list is the same object, its first `copied` entries still hold and
-only the tail is copied. The row's temperature, top-p, top-k and seed are written once, when the
-row is taken. A step's (S, MB) table and its per-row constants are then gathers of its
-sequences' rows.
+only the tail is copied. The row's temperature, top-p, top-k and seed are written when the row
+is taken, and again only if the sequence is given other params (SamplingParams are not changed
+in place). A step's (S, MB) table and its per-row constants are then gathers of its rows.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class BlockTableRows:
         self.top_p = np.ones(num_rows, np.float32)
         self.top_k = np.zeros(num_rows, np.int32)
         self.seeds = np.zeros(num_rows, np.uint32)
-        # sequence -> [its block table list, entries copied, its row, the last fill it was in]
+        # sequence -> [its block table list, entries copied, its row, the last fill it was in,
+        # the params its constants came from]
         self._held: dict[Sequence, list] = {}
         self._free = list(range(num_rows - 1, -1, -1))
         self._fills = 0
@@ -45,17 +46,15 @@ class BlockTableRows:
             entry = held.get(seq)
             if entry is None:
                 row = self._free.pop()
-                entry = held[seq] = [table, 0, row, mark]
-                p = seq.params
-                self.temperature[row] = p.temperature
-                self.top_p[row] = p.top_p
-                self.top_k[row] = p.top_k
-                self.seeds[row] = seq.seed
+                entry = held[seq] = [table, 0, row, mark, None]
             else:
                 entry[3] = mark
                 if entry[0] is not table or entry[1] > len(table):
                     rows[entry[2], :entry[1]] = 0
                     entry[0], entry[1] = table, 0
+            if entry[4] is not seq.params:  # new, or given other params
+                self._write_constants(entry[2], seq)
+                entry[4] = seq.params
             n = len(table)
             if n > entry[1]:
                 rows[entry[2], entry[1]:n] = table[entry[1]:]
@@ -63,9 +62,16 @@ class BlockTableRows:
             index.append(entry[2])
         if len(held) > len(scheduled):  # those not in this step: their rows go back
             for seq in [q for q, e in held.items() if e[3] != mark]:
-                _, copied, row, _ = held.pop(seq)
+                _, copied, row, _, _ = held.pop(seq)
                 rows[row, :copied] = 0
                 self._free.append(row)
         idx = np.array(index, np.int64)
         out[:len(index)] = rows[idx, :out.shape[1]]
         return idx
+
+    def _write_constants(self, row: int, seq: Sequence) -> None:
+        p = seq.params
+        self.temperature[row] = p.temperature
+        self.top_p[row] = p.top_p
+        self.top_k[row] = p.top_k  # a value past int32 raises here: the step fails its row
+        self.seeds[row] = seq.seed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxserve import SamplingParams
@@ -22,7 +24,7 @@ def _reference(path, **kw) -> dict[str, list[int]]:
 
 
 def _corrupt_step_value(seq):  # a value that cannot go into the step's int32 arrays
-    seq.params.top_k = 2**40
+    seq.params = dataclasses.replace(seq.params, top_k=2**40)
 
 
 def _corrupt_postprocess(seq):  # a stop "string" that makes the stop check raise

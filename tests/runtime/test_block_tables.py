@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
@@ -44,6 +46,9 @@ def test_rows_follow_appends_trims_frees_and_shared_prefixes():
                 bm.allocate(seq, 12)
                 seq.num_computed_tokens = 12
                 bm.commit(seq)
+        for seq in seqs:
+            if rng.random() < 0.05:  # given other params: its row's constants follow
+                seq.params = dataclasses.replace(seq.params, temperature=float(rng.random()))
         picked = [s for s in seqs if s.block_table and rng.random() < 0.8][:8]
         scheduled = [ScheduledSeq(s, 0, 1) for s in rng.permutation(picked)]
         got = np.zeros((8, MB), np.int32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import struct
@@ -178,7 +179,8 @@ def test_a_request_failing_inside_the_step_fails_alone(server):
 
     def corrupt(engine):  # a bug that touches one request: its top_k no longer fits int32
         [rid] = [r for r in engine.requests if r.endswith("-b")]
-        engine.requests[rid].params.top_k = 2**40
+        seq = engine.requests[rid]
+        seq.params = dataclasses.replace(seq.params, top_k=2**40)
 
     asyncio.run_coroutine_threadsafe(server.server.replicas.call_all(corrupt),
                                      server.loop).result(30)
