@@ -92,10 +92,7 @@ class Postprocessor:
                         append(seq, int(token), now, entry, update)
                         if update.finished:
                             break  # tokens after a stop are dropped
-                elif len(row) == 1:
-                    update.new_token_ids.append(row[0])
-                    update.new_text, update.finished = append_one(seq, row[0], now)
-                else:
+                else:  # several tokens, or one of a row that could have had more
                     extend(seq, row, now, update)
                 if s.drafts and not update.finished:
                     # K/V is right up to its last accepted proposal; the slots after it are
