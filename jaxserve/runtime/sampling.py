@@ -100,8 +100,7 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
 def greedy_tokens(logits: jax.Array) -> jax.Array:  # (..., V) -> (...) int32
     """jnp.argmax over the last axis (the first of equal maxima), as two plain reductions: a
     max, then the least index holding it. XLA:CPU runs argmax's (value, index) reduction one
-    element at a time, an order of magnitude slower at a vocabulary's width. A row whose max
-    is NaN gets the last id."""
+    element at a time, where these two vectorize. A row whose max is NaN gets the last id."""
     v = logits.shape[-1]
     best = jnp.max(logits, axis=-1, keepdims=True)
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
