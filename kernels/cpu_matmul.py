@@ -36,6 +36,7 @@ TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
 TARGET_PAIRS = "jaxserve_block_matmul_q8"  # the pair form (quant.pack_pairs)
 PANEL = quant.PANEL  # columns of y per work item: N must be a multiple
+GROUPED = "jaxserve_grouped_"  # + a form's target: experts' rows grouped (grouped_block_matmul)
 
 
 def available() -> str | None:
@@ -130,9 +131,7 @@ def _unread(ws: Sequence[Mapping], contract: int, shapes: list, stacked: bool) -
     model asks of float weights too: not quantized dicts.)"""
     for w, shape in zip(ws, shapes, strict=True):
         if not fits(w, contract, shape, stacked):
-            planes = ({k: (a.shape, a.dtype.name) for k, a in w.items()}
-                      if isinstance(w, Mapping) else type(w).__name__)
-            return (f"block_matmul cannot read a weight of planes {planes} as "
+            return (f"block_matmul cannot read a weight of planes {_describe(w)} as "
                     f"{'a stack of ' if stacked else ''}shape {shape} contracted over "
                     f"{contract} axes")
     targets = [_form(w)[0] for w in ws]
@@ -168,16 +167,78 @@ def block_matmul_group(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     if rows is not None:  # the kernel reads (layer, rows)
         index = jnp.stack([index, jnp.asarray(rows, jnp.int32)])
-    # Layers (if any) merge into the planes' first axis: the kernel takes L layers' worth.
-    forms = [_form(w) for w in ws]
-    planes = []
-    for w, (_, names), out in zip(ws, forms, outs, strict=True):
-        if quant.is_packed(w):  # planes already as the kernel reads them
-            planes += [w[p].reshape(-1, *w[p].shape[-2:]) for p in names]
-        else:  # (L K, N) int8, (L K / 32, N) float32 x 2
-            planes += [w[p].reshape(-1, out.shape[1]) for p in names]
-    ys = jax.ffi.ffi_call(forms[0][0], outs)(x, index, *planes)
+    ys = jax.ffi.ffi_call(_form(ws[0])[0], outs)(x, index,
+                                                 *_planes(ws, [o.shape[1] for o in outs]))
     return [y.reshape(x.shape[0], *s[contract:]) for y, s in zip(ys, shapes, strict=True)]
+
+
+def _planes(ws: Sequence[Mapping], outputs: Sequence[int]) -> list[jax.Array]:
+    """Each weight's planes in the kernel's order, any stacked axes merged into the first: the
+    kernel takes a stack of L layers' (or experts') worth, (L K, N) int8 and (L K / 32, N)
+    float32 x 2 in the int8 form (N = `outputs`, the weight's output axes together), (L N /
+    32, ...) in the packed ones."""
+    planes = []
+    for w, n in zip(ws, outputs, strict=True):
+        for p in _form(w)[1]:
+            a = w[p]
+            planes.append(a.reshape(-1, *a.shape[-2:]) if quant.is_packed(w)
+                          else a.reshape(-1, n))
+    return planes
+
+
+def _outputs(w: Mapping) -> int:
+    """N of a quantized weight whose last axis is its outputs (int8 form) or in panels."""
+    if quant.is_packed(w):
+        return w["scale"].shape[-3] * PANEL
+    return w["q"].shape[-1]
+
+
+def grouped_block_matmul(x: jax.Array, ws: Sequence[Mapping], sizes: jax.Array,
+                         first: jax.Array | int = 0) -> list[jax.Array]:
+    """A mixture's experts (models/moe.py) on weights kept in blocks: x (M, K) float32, its
+    rows sorted by expert, sizes (E,) int32 the rows of each expert in turn; each w a stack
+    of experts' (S..., K, N) weights in one form (several layers' stacks merge). -> [(M, N)
+    per w]: each row times its expert's weight, the experts being stack entries [first,
+    first + E); rows past sum(sizes) are zeros. One call shares every expert's panels out
+    over the threads; no weight is expanded."""
+    why = _grouped_unread(x, ws, sizes) or available()
+    if why:
+        raise ValueError(f"grouped_block_matmul: {why}")
+    ns = [_outputs(w) for w in ws]
+    outs = [jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32) for n in ns]
+    return jax.ffi.ffi_call(GROUPED + _form(ws[0])[0].removeprefix("jaxserve_"), outs)(
+        x, jnp.asarray(first, jnp.int32), sizes.astype(jnp.int32), *_planes(ws, ns))
+
+
+def grouped_block_matmul_or_none(x: jax.Array, ws: Sequence[Mapping], sizes: jax.Array,
+                                 first: jax.Array | int = 0) -> list[jax.Array] | None:
+    """grouped_block_matmul where it reads x and every w, else None."""
+    if _grouped_unread(x, ws, sizes):
+        return None
+    return grouped_block_matmul(x, ws, sizes, first)
+
+
+def _grouped_unread(x: jax.Array, ws: Sequence[Mapping], sizes: jax.Array) -> str | None:
+    """Why grouped_block_matmul cannot read x and the weights `ws` in one call, or None."""
+    if x.ndim != 2 or x.dtype != jnp.float32 or sizes.ndim != 1 or not ws:
+        return (f"needs x (M, K) float32, sizes (E,) and weights, got {x.shape} {x.dtype}, "
+                f"{sizes.shape} and {len(ws)} weights")
+    for w in ws:
+        if not quant.is_quantized(w):
+            return f"cannot read a weight of {_describe(w)}"
+        flat = {p: a.reshape(-1, *a.shape[-(3 if quant.is_packed(w) else 2):])
+                for p, a in w.items()}
+        if not fits(flat, 1, (x.shape[1], _outputs(w)), stacked=True):
+            return f"cannot read a weight of planes {_describe(w)} for x of shape {x.shape}"
+    if len({_form(w)[0] for w in ws}) != 1:
+        return "needs its weights in one form"
+    return None
+
+
+def _describe(w) -> object:
+    if isinstance(w, Mapping):
+        return {k: (a.shape, a.dtype.name) for k, a in w.items()}
+    return type(w).__name__
 
 
 def block_matmul_or_none(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,

@@ -70,6 +70,10 @@ class Blocks:
     def planes(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in PLANES}
 
+    def __getitem__(self, index) -> Blocks:
+        """Rows (or, for a stack of matrices such as a GGUF's experts, matrices) of it."""
+        return Blocks(*(getattr(self, k)[index] for k in PLANES))
+
     def dequantize(self) -> np.ndarray:
         return dequantize_np(self.planes())
 

@@ -163,8 +163,9 @@ class DecoderLayer(nn.Module):
             x = x + o
             y = norm("post_attention_norm")(x)
         if cfg.is_moe:
-            return (x + MoE(cfg, dt, self.experts_fn, name="moe")(y), k_pages, v_pages,
-                    layer + 1), None
+            moe = MoE(cfg, dt, self.experts_fn, name="moe")
+            return (x + moe(y, None if stacks is None else stacks.get("moe"), layer), k_pages,
+                    v_pages, layer + 1), None
         gate, up = project(y, (("w_gate", (d, f)), ("w_up", (d, f))))
         act = nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
         (down,) = project(act * up, (("w_down", (f, d)),))
@@ -273,13 +274,19 @@ def fuse_projections(params: dict, scan_layers: bool) -> dict:
 
 def split_layer_blocks(params: dict, held_apart: Callable[[dict], bool]) -> dict:
     """A scanned model's params with the stacked quantized layer weights that `held_apart`
-    picks (those the block matmul reads at a layer index) moved from "layers" to LAYER_BLOCKS:
-    every scan iteration then sees those stacks whole instead of a copy of its layer's slice."""
+    picks (those the block matmul reads at a layer index, and a mixture's experts, under
+    "moe") moved from "layers" to LAYER_BLOCKS: every scan iteration then sees those stacks
+    whole instead of a copy of its layer's slice."""
     layers = params["layers"]
     moved = {k: w for k, w in layers.items() if is_quantized(w) and held_apart(w)}
+    kept = {k: w for k, w in layers.items() if k not in moved}
+    experts = {k: w for k, w in layers.get("moe", {}).items() if is_quantized(w)
+               and held_apart(w)}  # a mixture's experts: (L, E, ...) stacks, read at L * E
+    if experts:
+        moved["moe"] = experts
+        kept["moe"] = {k: w for k, w in layers["moe"].items() if k not in experts}
     if not moved:
         return params
-    kept = {k: w for k, w in layers.items() if k not in moved}
     return {**params, "layers": kept, LAYER_BLOCKS: moved}
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import glob
 import importlib.util
 import json
+import math
 import os
 from typing import Any
 
@@ -137,7 +138,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     # a mixture of experts' router, and its experts stacked (E, F, D) / (E, D, F): moe.py
-    # splits them (dequantized: the block kernels do not read experts, see the README)
+    # splits them (kept in their blocks where the types allow, as the projections are)
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj",
     "ffn_up_exps.weight": "mlp.experts.up_proj",
@@ -178,8 +179,13 @@ def _convert_gguf(file: str) -> LoadedModel:
         # Layer projections keep their blocks; the embedding (gathered by row, and the tied
         # head, which XLA:CPU runs faster from float32 at batch sizes over 1) does not.
         arr = None
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            arr = decode_blocks(t.data, t.tensor_type.name, tuple(int(n) for n in t.shape[::-1]))
+        shape = tuple(int(n) for n in t.shape[::-1])
+        if name.startswith("model.layers.") and (name.endswith("proj.weight")
+                                                 or ".experts." in name):
+            # an expert stack (E, rows, cols) decodes as its E * rows rows
+            arr = decode_blocks(t.data, t.tensor_type.name, (math.prod(shape[:-1]), shape[-1]))
+            if arr is not None:
+                arr = arr.map(lambda a, lead=shape[:-1]: a.reshape(*lead, a.shape[-1]))
         if arr is None:
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it

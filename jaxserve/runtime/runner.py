@@ -43,7 +43,7 @@ from jaxserve.models.llama import (
     split_layer_blocks,
 )
 from jaxserve.models.loader import LoadedModel
-from jaxserve.models.moe import grouped_experts
+from jaxserve.models.moe import block_experts, grouped_experts
 from jaxserve.runtime import (
     compile_cache,
     decode_loop,
@@ -65,6 +65,15 @@ from jaxserve.runtime.step_inputs import Program, StepInputs, dummy_step_inputs,
 
 logger = logging.getLogger(__name__)
 
+
+
+def pack_layers(layers: dict, batch_dims: int) -> dict:
+    """A layer tree's quantized weights in the CPU kernel's panels (cpu_matmul.pack); a
+    mixture's experts have one stacked axis more (E), which the grouped kernel reads."""
+    out = cpu_matmul.pack({k: v for k, v in layers.items() if k != "moe"}, batch_dims)
+    if "moe" in layers:
+        out["moe"] = cpu_matmul.pack(layers["moe"], batch_dims + 1)
+    return out
 
 class RecompileError(RuntimeError):
     """A step needed a program that warmup() did not compile (strict_compile=True)."""
@@ -194,6 +203,9 @@ class ModelRunner:
         self.devices = sharding.device_group(devices, tp, ep)
         mc, params = loaded.config, loaded.params
         self.mesh = None
+        if mc.is_moe and tp * ep > 1:  # experts split over the mesh as float weights
+            params = {**params, "layers": {**params["layers"], "moe": quant.dequantize_tree(
+                params["layers"]["moe"])}}
         if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
             self.mesh = sharding.make_mesh(self.devices, ep)
             self.head_layout = sharding.HeadLayout.plan(mc, tp)
@@ -224,7 +236,8 @@ class ModelRunner:
             if fuse:  # off the CPU: q/k/v and gate/up as one matmul each
                 p = fuse_projections(p, scan)
             if self.block_matmul is not None:
-                p = {k: cpu_matmul.pack(v, int(scan and k == "layers")) for k, v in p.items()}
+                p = {k: pack_layers(v, int(scan and k == "layers")) if k.startswith("layers")
+                     else cpu_matmul.pack(v) for k, v in p.items()}
                 if scan:  # read in place at each layer's index, not sliced out per layer
                     p = split_layer_blocks(p, quant.is_packed)
                 blocks = head_blocks(cfg, p)
@@ -311,7 +324,7 @@ class ModelRunner:
     def _use_attention(self, backend: AttentionBackend | str, attn_fn) -> None:
         """Build the model (and the draft model) around `attn_fn`, per device under TP."""
         self._attention_backend, self._attention_fn = backend, attn_fn
-        experts_fn = grouped_experts
+        experts_fn = block_experts if self.block_matmul is not None else grouped_experts
         if self.mesh is not None:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
             experts_fn = sharding.shard_experts(self.mesh)

@@ -472,7 +472,8 @@ void widen(const typename Codes::Code* q, int64_t n, int16_t* out) {
 
 template <typename Codes>
 struct Problem {
-  const QuantizedRows* x;
+  const int16_t* xq;  // the problem's first row of x, as QuantizedRows holds it
+  const float *xs, *sx;
   const typename Codes::Code* q;
   const typename Codes::Scale* scale;
   const typename Codes::Scale* min;
@@ -484,8 +485,8 @@ struct Problem {
 template <typename Codes, int R>
 void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
   const int64_t N = pr.n, K = pr.k, blocks = K / KB;
-  const int16_t* xq = pr.x->xq.data() + r0 * K;
-  const float *xs = pr.x->xs.data() + r0 * blocks, *sx = pr.x->sx.data() + r0 * blocks;
+  const int16_t* xq = pr.xq + r0 * K;
+  const float *xs = pr.xs + r0 * blocks, *sx = pr.sx + r0 * blocks;
 #if HALF_WIDTH
   // Half-width registers, as the tiles: 4 int32 sums and 4 float sums a row, 8 columns each.
   __m256 c[R][4];
@@ -575,8 +576,8 @@ void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
     widen<Codes>(Codes::codes(pr.q, p, kb, blocks, N), N, w.data());
     for (int64_t r = 0; r < pr.m; r += MR) {
       const int64_t rows = std::min<int64_t>(MR, pr.m - r);
-      kTiles[rows - 1](pr.x->xq.data() + r * pr.k + kb * KB, pr.k,
-                       pr.x->xs.data() + r * blocks + kb, pr.x->sx.data() + r * blocks + kb,
+      kTiles[rows - 1](pr.xq + r * pr.k + kb * KB, pr.k,
+                       pr.xs + r * blocks + kb, pr.sx + r * blocks + kb,
                        blocks, w.data(), s0, s1, m0, m1, acc.data() + r * NP);
     }
   }
@@ -622,6 +623,38 @@ ffi::Error weigh(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
   return ffi::Error::Success();
 }
 
+// x's first m rows (of k values each) scaled to int16, in the calling thread's buffers.
+// Rows are scaled on every thread: a 512-token prefill scales 512 rows per product.
+const QuantizedRows& quantize_rows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k) {
+  const int64_t blocks = k / KB;
+  thread_local QuantizedRows rows;
+  rows.xq.resize(m * k), rows.xs.resize(m * blocks), rows.sx.resize(m * blocks);
+  // (The caller's thread_local rows, by pointer: a helper's own would be another.)
+  int16_t* xq = rows.xq.data();
+  float *xs = rows.xs.data(), *sx = rows.sx.data();
+  jaxserve::parallel_for(pool, m, [x, xq, xs, sx, k, blocks](int64_t r) {
+    quantize_row(x + r * k, k, xq + r * k, xs + r * blocks, sx + r * blocks);
+  });
+  return rows;
+}
+
+// Every panel of every problem of `group`, shared out over the threads in one pass.
+template <typename Codes>
+void run_panels(ffi::ThreadPool& pool, const std::vector<Problem<Codes>>& group) {
+  // Work item i is panel i - first[j] of problem j, for the last j with first[j] <= i.
+  std::vector<int64_t> first(group.size() + 1, 0);
+  for (size_t j = 0; j < group.size(); ++j) first[j + 1] = first[j] + group[j].n / NP;
+  const Problem<Codes>* problems = group.data();
+  const int64_t* starts = first.data();
+  jaxserve::parallel_for(pool, first.back(), [problems, starts](int64_t i) {
+    thread_local std::vector<float> acc;
+    thread_local std::vector<int16_t> w;
+    int64_t j = 0;
+    while (starts[j + 1] <= i) ++j;
+    panel(problems[j], i - starts[j], acc, w);
+  });
+}
+
 // y_i = x @ w_i for a group of weights stored as `Codes` (the file comment has the layouts)
 // that multiply the same x: args are the planes (codes, scale, min) of each w_i, rets the y_i.
 // Each w_i is layer `layer` of the stack of layers its planes hold: the step reads a scanned
@@ -645,37 +678,71 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
       return e;
   const int64_t m = layer.element_count() > 1
                         ? std::clamp<int64_t>(layer.typed_data()[1], 0, xd[0]) : xd[0];
-  const int64_t k = xd[1], blocks = k / KB;
+  const int64_t k = xd[1];
   for (auto& pr : group) {
     std::memset(pr.y + m * pr.n, 0, (pr.m - m) * pr.n * sizeof(float));
     pr.m = m;
   }
   if (m == 0) return ffi::Error::Success();
-  thread_local QuantizedRows rows;
-  rows.xq.resize(m * k), rows.xs.resize(m * blocks), rows.sx.resize(m * blocks);
-  // Rows are scaled on every thread: a 512-token prefill scales 512 rows per product.
-  // (The caller's thread_local rows, by pointer: a helper's own would be another.)
-  const float* x = x_buffer.typed_data();
-  int16_t* xq = rows.xq.data();
-  float *xs = rows.xs.data(), *sx = rows.sx.data();
-  jaxserve::parallel_for(pool, m, [x, xq, xs, sx, k, blocks](int64_t r) {
-    quantize_row(x + r * k, k, xq + r * k, xs + r * blocks, sx + r * blocks);
-  });
-  // Work item i is panel i - first[j] of weight j, for the last j with first[j] <= i.
-  std::vector<int64_t> first(group.size() + 1, 0);
-  for (size_t j = 0; j < group.size(); ++j) {
-    group[j].x = &rows;
-    first[j + 1] = first[j] + group[j].n / NP;
+  const QuantizedRows& rows = quantize_rows(pool, x_buffer.typed_data(), m, k);
+  for (auto& pr : group) pr.xq = rows.xq.data(), pr.xs = rows.xs.data(), pr.sx = rows.sx.data();
+  run_panels(pool, group);
+  return ffi::Error::Success();
+}
+
+// The experts of a mixture (models/moe.py): x's rows sorted by expert, the first sizes[0]
+// rows going to expert 0, the next sizes[1] to expert 1, and so on; y_i's rows are those
+// rows' products with expert e's weight of w_i (rows past the last group are zeros). Each w_i
+// holds a stack of experts (several layers' of them, merged on axis 0); `first` (an int32
+// scalar) is the stack entry of expert 0: a layer's E experts are entries first to first + E.
+// All the experts' panels are shared out in one pass, a work item being one panel of one
+// expert's rows.
+template <typename Codes>
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
+                         ffi::Buffer<ffi::S32> first, ffi::Buffer<ffi::S32> sizes,
+                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (rets.size() == 0 || args.size() != 3 * rets.size())
+    return ffi::Error::InvalidArgument(
+        "grouped block matmul: the arguments are x, first, sizes, then codes, scale and min "
+        "of each weight, one y per weight");
+  const auto xd = x_buffer.dimensions();
+  const int64_t experts = sizes.element_count(), base = first.typed_data()[0];
+  std::vector<Problem<Codes>> whole(rets.size());
+  for (size_t i = 0; i < whole.size(); ++i) {
+    if (auto e = weigh(args, rets, i, xd, 0, whole[i]); e.failure()) return e;
+    auto q = args.get<ffi::Buffer<Codes::kCodeType>>(3 * i);
+    if (base < 0 || base + experts > Codes::layers(q->dimensions(), whole[i].k, whole[i].n))
+      return ffi::Error::InvalidArgument("grouped block matmul: experts out of the stack");
   }
-  const Problem<Codes>* problems = group.data();
-  const int64_t* starts = first.data();
-  jaxserve::parallel_for(pool, first.back(), [problems, starts](int64_t i) {
-    thread_local std::vector<float> acc;
-    thread_local std::vector<int16_t> w;
-    int64_t j = 0;
-    while (starts[j + 1] <= i) ++j;
-    panel(problems[j], i - starts[j], acc, w);
-  });
+  int64_t m = 0;
+  const int32_t* sz = sizes.typed_data();
+  for (int64_t e = 0; e < experts; ++e) {
+    if (sz[e] < 0) return ffi::Error::InvalidArgument("grouped block matmul: a negative size");
+    m += sz[e];
+  }
+  m = std::min<int64_t>(m, xd[0]);
+  for (auto& pr : whole) std::memset(pr.y + m * pr.n, 0, (pr.m - m) * pr.n * sizeof(float));
+  if (m == 0) return ffi::Error::Success();
+  const int64_t k = xd[1], blocks = k / KB;
+  const QuantizedRows& rows = quantize_rows(pool, x_buffer.typed_data(), m, k);
+  std::vector<Problem<Codes>> group;  // (weight, expert) pairs with rows
+  for (const auto& w : whole) {
+    const int64_t scales = k / KB * w.n;
+    for (int64_t e = 0, r0 = 0; e < experts && r0 < m; r0 += sz[e], ++e) {
+      const int64_t r = std::min<int64_t>(sz[e], m - r0);
+      if (r == 0) continue;
+      Problem<Codes> pr = w;
+      pr.q += (base + e) * Codes::per_layer(k, w.n);
+      pr.scale += (base + e) * scales;
+      pr.min += (base + e) * scales;
+      pr.xq = rows.xq.data() + r0 * k, pr.xs = rows.xs.data() + r0 * blocks;
+      pr.sx = rows.sx.data() + r0 * blocks;
+      pr.y += r0 * w.n;
+      pr.m = r;
+      group.push_back(pr);
+    }
+  }
+  run_panels(pool, group);
   return ffi::Error::Success();
 }
 
@@ -690,8 +757,23 @@ auto Binding() {
       .RemainingRets();  // y per weight
 }
 
+// The grouped handlers': x, the stack entry of expert 0, the experts' row counts, then as
+// Binding's.
+auto GroupedBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // x
+      .Arg<ffi::Buffer<ffi::S32>>()  // first
+      .Arg<ffi::Buffer<ffi::S32>>()  // sizes
+      .RemainingArgs()
+      .RemainingRets();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, Matmul<Int8Codes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, Matmul<NibbleCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8, Matmul<PairCodes>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmul, GroupedMatmul<Int8Codes>, GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ4, GroupedMatmul<NibbleCodes>, GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ8, GroupedMatmul<PairCodes>, GroupedBinding());

@@ -412,3 +412,36 @@ def test_the_paths_of_cpus_with_fewer_instructions(name, monkeypatch):
         for lo, hi in [(0, 1), (3, 5), (2, 9), (0, 13)]:
             np.testing.assert_array_equal(np.asarray(block_matmul(x[lo:hi], w, 1, (160, 96))),
                                           np.asarray(full)[lo:hi])
+
+
+@pytest.mark.parametrize("kind, form", CASES)
+def test_grouped_experts_each_row_times_its_experts_weight(kind, form):
+    """The grouped kernel (a mixture's experts): rows sorted by expert, sizes per expert (one
+    of them empty), stacks of two layers' experts read from entry `first`: each row equals
+    the single-weight kernel's product with its expert's weight, bit for bit, rows past the
+    groups are zeros, and the maths is the kernel's own (float64 within float32 rounding)."""
+    rng = np.random.default_rng(11)
+    layers, e, k, n, m = 2, 4, 64, 96, 14
+    ws = [make_weight(rng, (k, n), 0, kind) for _ in range(layers * e)]
+    held = [in_form(w, form) for w in ws]  # (the kernel's form, its int8-form planes)
+    stack = jax.tree.map(lambda *a: np.stack(a).reshape(layers, e, *a[0].shape),
+                         *[np.asarray(h[0]) if not isinstance(h[0], dict) else
+                           {p: np.asarray(a) for p, a in h[0].items()} for h in held])
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    sizes = np.array([3, 0, 6, 2], np.int32)  # 11 rows in groups, 3 past them
+    run = jax.jit(lambda x, s, first: cpu_matmul.grouped_block_matmul(x, [stack, stack], s,
+                                                                      first))
+    y, y2 = (np.asarray(a) for a in run(x, sizes, np.int32(e)))  # the second layer's experts
+    np.testing.assert_array_equal(y, y2)
+    r = 0
+    for j, size in enumerate(sizes):
+        rows = x[r:r + size]
+        if size:
+            one = np.asarray(block_matmul(rows, held[e + j][0], 1, (k, n)))
+            np.testing.assert_array_equal(y[r:r + size], one)
+            assert_close(y[r:r + size], expected(rows, held[e + j][1], 1))
+        r += size
+    assert not y[r:].any()
+    with pytest.raises(Exception, match="experts out of the stack"):
+        np.asarray(run(x, sizes, np.int32(e + 1)))
+    assert cpu_matmul.grouped_block_matmul_or_none(x, [ws[0]["q"]], jnp.asarray(sizes)) is None

@@ -295,24 +295,16 @@ def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_float_load(tmp_path,
             np.testing.assert_array_equal(f, w, err_msg=key)
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
-def test_moe_gguf_loads_its_experts(arch, gguf_arch, tmp_path, tiny_models, monkeypatch):
-    """A GGUF with expert tensors (llama arch for Mixtral, as llama.cpp writes it; qwen3moe):
-    the router and the stacked experts land where the safetensors load puts them; a Q8_0
-    expert stack is expanded exactly as gguf dequantizes it."""
+def write_moe_gguf(path, model_dir: str, cfg: ModelConfig, qtypes: dict[str, str],
+                   gguf_arch: str) -> dict[str, np.ndarray]:
+    """The safetensors MoE in `model_dir` as a GGUF with its experts stacked, as llama.cpp
+    writes them (`qtypes` as _write_tiny_gguf's) -> the HF-named tensors written."""
     import glob
-
-    import gguf
-    from gguf.quants import dequantize, quantize
 
     from jaxserve.models.moe import canonical_expert_names
 
-    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path, _ = tiny_models[arch]
-    from_st = load_model(path)
-    cfg = from_st.config
     tensors = {}
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
+    for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
         tensors |= load_file(f)
     tensors = canonical_expert_names(cfg, tensors)
     for i in range(cfg.num_layers):
@@ -320,8 +312,26 @@ def test_moe_gguf_loads_its_experts(arch, gguf_arch, tmp_path, tiny_models, monk
             p = f"model.layers.{i}.mlp.experts."
             tensors[p + proj] = np.stack([tensors.pop(f"{p}{j}.{proj}.weight")
                                           for j in range(cfg.num_experts)])
-    _write_tiny_gguf(tmp_path / "moe.gguf", tensors, cfg, {"experts.up_proj": "Q8_0"},
-                     gguf_arch)
+    _write_tiny_gguf(path, tensors, cfg, qtypes, gguf_arch)
+    return tensors
+
+
+@pytest.mark.parametrize("arch, gguf_arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_moe_gguf_loads_its_experts(arch, gguf_arch, tmp_path, tiny_models, monkeypatch):
+    """A GGUF with expert tensors (llama arch for Mixtral, as llama.cpp writes it; qwen3moe):
+    the router and the stacked experts land where the safetensors load puts them; a Q8_0
+    expert stack keeps its blocks, which expand exactly as gguf dequantizes them."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from jaxserve.kernels import quant
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = tiny_models[arch]
+    from_st = load_model(path)
+    cfg = from_st.config
+    tensors = write_moe_gguf(tmp_path / "moe.gguf", path, cfg, {"experts.up_proj": "Q8_0"},
+                             gguf_arch)
     got = load_model(str(tmp_path / "moe.gguf"))
     c = got.config
     # llama.cpp renormalises qwen3moe's top k whatever HF's config said (this one: not)
@@ -339,5 +349,7 @@ def test_moe_gguf_loads_its_experts(arch, gguf_arch, tmp_path, tiny_models, monk
     q8 = gguf.GGMLQuantizationType.Q8_0
     up = np.stack([dequantize(quantize(np.ascontiguousarray(
         tensors[f"model.layers.{i}.mlp.experts.up_proj"]), q8), q8) for i in range(2)])
-    np.testing.assert_array_equal(moe["w_up"], up.transpose(0, 1, 3, 2))
-    np.testing.assert_allclose(moe["w_up"], want["w_up"], atol=0.02)
+    assert quant.is_quantized(moe["w_up"]) and moe["w_up"]["q"].dtype == np.int8
+    assert moe["w_up"]["q"].shape == want["w_up"].shape  # (L, E, D, F), blocks along D
+    np.testing.assert_array_equal(quant.dequantize_np(moe["w_up"]), up.transpose(0, 1, 3, 2))
+    np.testing.assert_allclose(quant.dequantize_np(moe["w_up"]), want["w_up"], atol=0.02)

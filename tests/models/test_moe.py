@@ -70,6 +70,78 @@ def test_every_pair_computed_when_all_tokens_pick_one_expert():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU block kernel")
+@pytest.mark.parametrize("form", ["int8", "nibbles"])
+def test_block_experts_read_quantized_experts_in_one_kernel_call(form):
+    """Experts in GGUF blocks through the grouped CPU kernel: the reference's output on the
+    expanded weights (within the int16 scaling of x), and no ragged_dot or expanded weight
+    in the program, only the kernel's custom calls."""
+    from jaxserve.kernels import cpu_matmul, quant
+    from tests.kernels.test_cpu_matmul import make_weight
+
+    rng = np.random.default_rng(4)
+    t, d, f, e, k = 13, 64, 32, 8, 2
+    ws = [make_weight(rng, s, 1, "Q4_1") for s in ((e, d, f), (e, d, f), (e, f, d))]
+    expanded = [quant.dequantize_np({p: np.asarray(a) for p, a in w.items()}) for w in ws]
+    if form == "nibbles":
+        ws = [cpu_matmul.pack({p: np.asarray(a) for p, a in w.items()}, 1) for w in ws]
+        assert all(quant.is_nibbles(w) for w in ws)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    weights, ids = moe.route(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k, True)
+    run = jax.jit(moe.block_experts)
+    text = run.lower(x, weights, ids, *ws).as_text()
+    assert text.count("jaxserve_grouped_block_matmul") == 2 and "ragged" not in text
+    got = run(x, weights, ids, *ws)
+    want = moe.grouped_experts_reference(x, weights, ids, *expanded)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=2e-3 * np.abs(np.asarray(want)).max())
+
+
+@pytest.fixture(scope="module", params=[("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def moe_q4_gguf(request, tmp_path_factory, tiny_models):
+    """A tiny MoE GGUF whose experts are Q4_1 (gate, up) and Q8_0 (down)."""
+    from jaxserve.models.loader import load_model
+    from tests.models.test_loader import write_moe_gguf
+
+    arch, gguf_arch = request.param
+    path = tmp_path_factory.mktemp(f"moe-{arch}") / "moe-q4.gguf"
+    write_moe_gguf(path, tiny_models[arch][0], load_model(tiny_models[arch][0]).config,
+                   {"experts.gate_proj": "Q4_1", "experts.up_proj": "Q4_1",
+                    "experts.down_proj": "Q8_0"}, gguf_arch)
+    return str(path)
+
+
+def test_engine_on_quantized_experts_gives_the_expanded_experts_outputs(moe_q4_gguf):
+    """A MoE GGUF served with its experts in blocks (the grouped kernel on a CPU) and with
+    them expanded at load (quantization=none): the same greedy tokens, logprobs within the
+    int16 scaling's reach (as the dense projections, tests/kernels/test_quant.py), every
+    block back; the kept experts take a fraction of the expanded ones' bytes."""
+    from jaxserve.kernels import quant
+    from tests.kernels.test_quant import _run
+
+    kept, got = _run(moe_q4_gguf)
+    expanded, want = _run(moe_q4_gguf, quantization="none")
+    assert [g[0] for g in got.values()] == [w[0] for w in want.values()]
+    for (_, got_lp), (_, want_lp) in zip(got.values(), want.values(), strict=True):
+        for g, w in zip(got_lp, want_lp, strict=True):
+            np.testing.assert_allclose(g["logprob"], w["logprob"], atol=2e-3)
+    from jaxserve.models.llama import LAYER_BLOCKS
+
+    # the scanned step reads the experts' stacks whole at each layer's entry, held apart
+    held = kept.runner.params.get(LAYER_BLOCKS, {}).get("moe", {})
+    kept_moe = {**kept.runner.params["layers"]["moe"], **held}
+    assert not quant.is_quantized(expanded.runner.params["layers"]["moe"]["w_up"])
+    on_cpu = jax.default_backend() == "cpu"
+    assert set(held) == ({"w_gate", "w_up", "w_down"} if on_cpu else set())
+    assert (kept.runner.model.experts_fn is moe.block_experts) == on_cpu
+    assert quant.is_nibbles(kept_moe["w_up"]) == on_cpu
+    assert quant.is_pairs(kept_moe["w_down"]) == on_cpu
+    nbytes = lambda p: sum(a.nbytes for a in jax.tree.leaves(p))  # noqa: E731
+    experts = lambda m: [m[n] for n in ("w_gate", "w_up", "w_down")]  # noqa: E731
+    ratio = nbytes(experts(kept_moe)) / nbytes(experts(expanded.runner.params["layers"]["moe"]))
+    assert ratio < (0.22 if on_cpu else 0.32)
+
+
 def _as_dense(cfg: ModelConfig) -> ModelConfig:
     """cfg with its experts as one dense MLP of E x F columns."""
     return dataclasses.replace(cfg, num_experts=0,
