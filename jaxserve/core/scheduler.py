@@ -264,7 +264,8 @@ class Scheduler:
         decodes, partial = [], []
         for s in self.running:
             (decodes if s.is_decoding else partial).append(s)
-        partial += [s for s in self.held if not s.is_decoding]
+        if not num_priority_preemptions:  # else the slot freed goes to the one it was for
+            partial += [s for s in self.held if not s.is_decoding]
         scheduled_ids: set[str] = set()
         block_size = bm.block_size
         running = SequenceStatus.RUNNING
@@ -373,11 +374,12 @@ class Scheduler:
 
     def _overdue(self, now: float) -> list[Sequence]:
         """Waiting requests with no token yet that have waited past the TTFT target, oldest
-        first."""
+        first (under priority, best first: the order priority preemption frees slots in, so
+        the slot freed for a request goes to it and not to an older, lesser one)."""
         target = self.config.ttft_target_s
         late = [s for s in self.waiting if s.num_tokens == s.num_prompt_tokens
                 and now - s.arrival_time >= target]
-        late.sort(key=_BY_ARRIVAL)
+        self._sort(late, now)
         return late
 
     def _promote_held(self, now: float) -> None:
