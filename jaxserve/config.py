@@ -97,7 +97,8 @@ class EngineConfig:
               "the next step, ahead of other prompts (default: off)")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(
-        None, "KV blocks in the device pool (default: sized from the memory settings)",
+        None, "KV blocks in the device pool, each a block of every layer's K and V "
+              "(default: sized from the memory settings)",
         aliases=("--num-gpu-blocks-override",))
     kv_cache_memory_bytes: int = option(1 << 30, "bytes for the KV pool when num_kv_blocks is "
                                                  "not given and no memory fraction applies")
@@ -181,6 +182,12 @@ class EngineConfig:
                                   "again) or swap (copy to the host pool and back)")
     swap_space_bytes: int = option(256 << 20, "host pool for swap preemption and the prefix "
                                               "cache's host tier, in bytes")
+    free_window_blocks: bool | None = option(
+        None, "models with sliding-window layers: a sequence's blocks leave those layers' "
+              "part of the pool once no query sees them, the pool laid out in groups of "
+              "layers with a block table each (default: on where the model has windows, "
+              "off where a draft model, swap preemption or a prefill/decode role needs "
+              "whole tables; on is then refused)")
     enable_prefix_caching: bool = option(
         True, "reuse the K/V of prompt prefixes already computed (hash-chained full blocks; "
               "cached blocks evicted from the device pool spill to the host pool and come "

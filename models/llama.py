@@ -27,6 +27,7 @@ block, offset) and attention reads it at its layer index, so XLA updates the don
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core.kv_layout import KVLayout
 from jaxserve.kernels.attention.base import NO_WINDOW
 from jaxserve.kernels.attention.kv_write import write_kv
 from jaxserve.kernels.attention.metadata import AttentionMetadata
@@ -103,6 +105,21 @@ def attention_options(cfg: ModelConfig, layer: jax.Array | int) -> dict:
     return kw
 
 
+def layer_pages(layout: KVLayout | None, layer: jax.Array | int,
+                md: AttentionMetadata) -> tuple[jax.Array | int, AttentionMetadata]:
+    """Layer `layer`'s row of the pool and the metadata with its group's block tables and
+    slots (core/kv_layout.py): the pool's own row and md where there is one group."""
+    if layout is None or layout.num_groups == 1:
+        return layer, md
+    if isinstance(layer, int):
+        group, row = layout.layer_group[layer], layout.layer_row[layer]
+    else:
+        group = jnp.asarray(layout.layer_group, jnp.int32)[layer]
+        row = jnp.asarray(layout.layer_row, jnp.int32)[layer]
+    return row, dataclasses.replace(md, block_tables=md.block_tables[group],
+                                    slot_mapping=md.slot_mapping[group])
+
+
 def apply_rope(x, cos, sin):  # x (T, heads, H); cos/sin (T, H/2)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -119,6 +136,7 @@ class DecoderLayer(nn.Module):
     attn_fn: AttentionFn
     block_matmul: BlockMatmulFn | None = None
     experts_fn: ExpertsFn = grouped_experts  # a mixture of experts' (models/moe.py)
+    kv_layout: KVLayout | None = None  # layer groups of the pool (None: one of every layer)
 
     @nn.compact
     def __call__(self, carry, cos, sin, md: AttentionMetadata, stacks: dict | None = None):
@@ -152,8 +170,9 @@ class DecoderLayer(nn.Module):
             k = norm("k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_pages, v_pages = write_kv(k_pages, v_pages, layer, k, v, md.slot_mapping)
-        attn = self.attn_fn(q, k_pages, v_pages, layer, md,
+        row, md_layer = layer_pages(self.kv_layout, layer, md)
+        k_pages, v_pages = write_kv(k_pages, v_pages, row, k, v, md_layer.slot_mapping)
+        attn = self.attn_fn(q, k_pages, v_pages, row, md_layer,
                             **attention_options(cfg, layer))  # (T, N, H)
         (o,) = project(attn.reshape(attn.shape[0], n * h), (("wo", (n, h, d)),), 2)
         if cfg.sandwich_norms:  # HF's post_attention_layernorm is on the attention's output
@@ -337,14 +356,15 @@ class Transformer(nn.Module):
     scan_layers: bool = True
     block_matmul: BlockMatmulFn | None = None  # see DecoderLayer.project
     experts_fn: ExpertsFn = grouped_experts  # see models/moe.py
+    kv_layout: KVLayout | None = None  # see DecoderLayer
 
     @nn.compact
     def __call__(
         self,
         input_ids: jax.Array,  # (T,) int32
-        k_pages: jax.Array,  # (L, P, B, K, H)
-        v_pages: jax.Array,  # (L, P, B, K, H)
-        md: AttentionMetadata,
+        k_pages: jax.Array,  # (L, P, B, K, H); with layer groups (R, P, B, K, H)
+        v_pages: jax.Array,  # (L, P, B, K, H); with layer groups (R, P, B, K, H)
+        md: AttentionMetadata,  # with layer groups: tables (G, S, MB), slots (G, T)
         logits_indices: jax.Array | None,  # (S,) int32: each seq's logits row (None: no logits)
     ) -> tuple[jax.Array, ...]:  # updated pages, logits (S, V) float32, final hidden (T, D)
         cfg, dt = self.cfg, self.dtype
@@ -381,15 +401,16 @@ class Transformer(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast,) * 4,
                 length=cfg.num_layers,
-            )(cfg, dt, self.attn_fn, self.block_matmul, self.experts_fn, name="layers")
+            )(cfg, dt, self.attn_fn, self.block_matmul, self.experts_fn, self.kv_layout,
+              name="layers")
             (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin,
                                                  md, stacks)
         else:  # the layer index is a Python int: static slices of the pool, no dynamic ones
             carry = (x, k_pages, v_pages, 0)
             for i in range(cfg.num_layers):
                 carry, _ = DecoderLayer(cfg, dt, self.attn_fn, self.block_matmul,
-                                         self.experts_fn, name=f"layers_{i}")(carry, cos, sin,
-                                                                               md)
+                                         self.experts_fn, self.kv_layout,
+                                         name=f"layers_{i}")(carry, cos, sin, md)
             x, k_pages, v_pages, _ = carry
 
         # Every row is normalized (a (T, D) elementwise op): prompt logprobs read them all.

@@ -10,6 +10,13 @@ block first, so the end of a prompt is evicted before its shared beginning.
 
 A shared block is never written: only full blocks are registered, and a sequence writes from its
 first uncomputed token on, which lies past every block it took from the cache.
+
+Layer groups (core/kv_layout.py): with G groups, a block of a sequence is a page of each group,
+each group's in a table of its own; the counts this class shows the scheduler (free blocks,
+blocks needed) are blocks of all G pages, so its sums hold unchanged. Before each step `drop`
+returns a sequence's pages of the local (sliding-window) groups that no query of the step can
+see. A group's pages are cached under (group, name); a prefix match needs every global group's
+pages of the prefix and the local groups' of its last window only.
 """
 
 from __future__ import annotations
@@ -40,10 +47,14 @@ class BlockManager:
     grows and all released the moment it finishes, is aborted or is preempted.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 group_windows: tuple[int | None, ...] = (None,)):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.num_groups = len(group_windows)  # pages per block (KVLayout.windows)
+        self.local_groups = [g for g, w in enumerate(group_windows) if w is not None]
+        self.window = group_windows[self.local_groups[0]] if self.local_groups else None
         self.ref_count = [0] * num_blocks
         self.hash_of: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}  # registered blocks by name
@@ -53,11 +64,42 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Blocks that can be added to sequences (each a page of every group)."""
+        return len(self.free_queue) // self.num_groups
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """`seq`'s block table of each group."""
+        return [seq.block_table, *seq.group_tables] if self.num_groups > 1 else [seq.block_table]
+
+    def held_pages(self, seq: Sequence):
+        """Every page `seq` holds a reference to, by group: (group, index, page)."""
+        for g, table in enumerate(self.tables(seq)):
+            first = seq.num_dropped if g in self.local_groups else 0
+            for i in range(first, len(table)):
+                yield g, i, table[i]
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self.cached)
+
+    def most_pages_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most pages a sequence of `num_tokens` tokens holds at once, computed in steps
+        of up to `step_tokens` tokens: a page of every group per block, but a local group's
+        only for the blocks a step's queries see."""
+        n = self.blocks_needed(num_tokens)
+        local = min(n, self.blocks_needed(self.window - 1 + step_tokens) + 1
+                    if self.window else n)
+        return (self.num_groups - len(self.local_groups)) * n + len(self.local_groups) * local
+
+    def most_tokens_held(self, step_tokens: int) -> int | None:
+        """The longest sequence the whole pool holds (most_pages_held), None if any length
+        fits (every group local: a sequence holds no more than its window's pages)."""
+        glob = self.num_groups - len(self.local_groups)
+        pages = self.num_blocks - len(self.local_groups) * (
+            self.blocks_needed(self.window - 1 + step_tokens) + 1 if self.window else 0)
+        if glob == 0:
+            return None if pages >= 0 else 0
+        return max(0, pages // glob) * self.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -67,7 +109,7 @@ class BlockManager:
         return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
+        return self.num_new_blocks(seq, num_tokens) * self.num_groups <= len(self.free_queue)
 
     def allocate(self, seq: Sequence, num_tokens: int,
                  evicted: list[tuple[int, BlockHash]] | None = None) -> None:
@@ -75,35 +117,58 @@ class BlockManager:
         it loses its name; `evicted` (if given) receives (block, name) for each, so the host
         tier can keep a copy before the block is overwritten."""
         n = self.num_new_blocks(seq, num_tokens)
-        if n > self.num_free_blocks:
+        if n * self.num_groups > len(self.free_queue):
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_free_blocks}")
-        for _ in range(n):
-            b, _ = self.free_queue.popitem(last=False)
-            h = self.hash_of[b]
-            if h is not None:  # its contents go: forget them
-                if evicted is not None:
-                    evicted.append((b, h))
-                del self.cached[h]
-                self.hash_of[b] = None
-                self.stats.evictions += 1
-            self._ref(b)
-            seq.block_table.append(b)
+        if self.num_groups > 1 and len(seq.group_tables) < self.num_groups - 1:
+            seq.group_tables = [[] for _ in range(self.num_groups - 1)]
+        for table in self.tables(seq):
+            for _ in range(n):
+                b, _ = self.free_queue.popitem(last=False)
+                h = self.hash_of[b]
+                if h is not None:  # its contents go: forget them
+                    if evicted is not None:
+                        evicted.append((b, h))
+                    del self.cached[h]
+                    self.hash_of[b] = None
+                    self.stats.evictions += 1
+                self._ref(b)
+                table.append(b)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`, last block first."""
-        for b in reversed(seq.block_table):
+        for _, _, b in reversed(list(self.held_pages(seq))):
             self._unref(b)
         seq.block_table = []
+        seq.group_tables = []
+        seq.num_dropped = 0
         seq.num_cached_blocks = 0
+
+    def drop(self, seq: Sequence, start: int) -> None:
+        """Before a step whose first query of `seq` is at position `start`: release its pages
+        of the local groups that hold only keys older than that query's window (the step's
+        later queries see less far back still)."""
+        first = max(0, start - self.window + 1) // self.block_size
+        if first <= seq.num_dropped:
+            return
+        tables = self.tables(seq)
+        for g in self.local_groups:
+            table = tables[g]
+            for i in range(seq.num_dropped, min(first, len(table))):
+                self._unref(table[i])
+        seq.num_dropped = first
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Return `seq`'s blocks past the first `num_tokens` tokens (taken for proposed
         tokens that were rejected; never named, so they go to the front of the queue)."""
-        keep = max(self.blocks_needed(num_tokens), seq.num_cached_blocks)
+        keep = max(self.blocks_needed(num_tokens), seq.num_cached_blocks, seq.num_dropped)
         if len(seq.block_table) > keep:
-            for b in reversed(seq.block_table[keep:]):
-                self._unref(b)
-            seq.block_table = seq.block_table[:keep]  # a new list: tables only grow in place
+            tables = self.tables(seq)
+            for table in tables:
+                for b in reversed(table[keep:]):
+                    self._unref(b)
+            # new lists: tables only grow in place
+            seq.block_table = tables[0][:keep]
+            seq.group_tables = [t[:keep] for t in tables[1:]]
 
     def _unref(self, b: int) -> None:
         """Drop a reference to block `b`; unused, it joins the free queue."""
@@ -126,6 +191,8 @@ class BlockManager:
         last token is never matched: computing it gives the logits to sample from."""
         if not self.enable_caching:
             return []
+        if self.num_groups > 1 or self.local_groups:
+            return self._match_groups(seq)
         blocks = []
         for h in self.matchable_names(seq):
             b = self.cached.get(h)
@@ -133,6 +200,34 @@ class BlockManager:
                 break
             blocks.append(b)
         return blocks
+
+    def _name(self, group: int, h: BlockHash):
+        """A page's name in the cache: its block's, and the group's past group 0."""
+        return h if group == 0 else (group, h)
+
+    def _first_seen(self, num_blocks: int) -> int:
+        """The first block a query right after `num_blocks` full blocks sees in a local
+        layer."""
+        return max(0, num_blocks * self.block_size - self.window + 1) // self.block_size
+
+    def _match_groups(self, seq: Sequence) -> PrefixMatch:
+        """match_prefix with layer groups: the longest run of blocks whose pages every global
+        group has cached, shortened until the local groups have theirs of its last window."""
+        names = self.matchable_names(seq)
+        global_groups = [g for g in range(self.num_groups) if g not in self.local_groups]
+        k = 0
+        while k < len(names) and all(self._name(g, names[k]) in self.cached
+                                     for g in global_groups):
+            k += 1
+        while k > 0 and not all(self._name(g, names[i]) in self.cached
+                                for g in self.local_groups
+                                for i in range(self._first_seen(k), k)):
+            k -= 1
+        dropped = self._first_seen(k) if self.local_groups else 0
+        pages = [[self.cached[self._name(g, names[i])]
+                  if g not in self.local_groups or i >= dropped else 0 for i in range(k)]
+                 for g in range(self.num_groups)]
+        return PrefixMatch(pages, dropped, self.local_groups)
 
     def matchable_names(self, seq: Sequence) -> list[BlockHash]:
         """The names of the blocks of `seq` a cache may supply: every full block that ends
@@ -144,17 +239,25 @@ class BlockManager:
         return self._hashes(seq, max_blocks)[:max_blocks]
 
     def num_blocks_taken_from_free(self, blocks: list[int]) -> int:
-        """How many of `blocks` (a match) sit in the free queue: taking them uses free slots."""
+        """How many of `blocks` (a match) sit in the free queue: taking them uses free slots
+        (with groups, their pages there, in blocks of all groups' pages, rounded up)."""
+        if isinstance(blocks, PrefixMatch):
+            pages = {b for _, b in blocks.held()}
+            return -(-sum(self.ref_count[b] == 0 for b in pages) // self.num_groups)
         return sum(self.ref_count[b] == 0 for b in blocks)
 
     def take_prefix(self, seq: Sequence, blocks: list[int], num_prompt_tokens: int) -> None:
         """Give a sequence with no blocks the matched `blocks`: their tokens count as computed.
         `num_prompt_tokens`: the tokens it looked up (for the hit rate)."""
         assert not seq.block_table, seq
-        for b in blocks:
+        held = blocks.held() if isinstance(blocks, PrefixMatch) else ((0, b) for b in blocks)
+        for _, b in held:
             if self.ref_count[b] == 0:
                 del self.free_queue[b]
             self._ref(b)
+        if isinstance(blocks, PrefixMatch):
+            seq.group_tables = [list(t) for t in blocks.pages[1:]]
+            seq.num_dropped = blocks.dropped
         seq.block_table = list(blocks)
         seq.num_cached_blocks = len(blocks)
         seq.num_computed_tokens = len(blocks) * self.block_size
@@ -184,8 +287,14 @@ class BlockManager:
         if full <= seq.num_cached_blocks:
             return
         hashes = self._hashes(seq, full)
-        for i in range(seq.num_cached_blocks, full):
-            self._register(seq.block_table[i], hashes[i])
+        if self.num_groups > 1 or self.local_groups:
+            for g, table in enumerate(self.tables(seq)):
+                first = seq.num_dropped if g in self.local_groups else 0
+                for i in range(max(seq.num_cached_blocks, first), full):
+                    self._register(table[i], self._name(g, hashes[i]))
+        else:
+            for i in range(seq.num_cached_blocks, full):
+                self._register(seq.block_table[i], hashes[i])
         seq.num_cached_blocks = full
 
     def _register(self, b: int, h: BlockHash) -> None:
@@ -199,7 +308,7 @@ class BlockManager:
     def forget(self, seq: Sequence) -> None:
         """Unregister the blocks only `seq` holds (its step failed: their contents are not to
         be trusted)."""
-        for b in seq.block_table:
+        for _, _, b in self.held_pages(seq):
             h = self.hash_of[b]
             if h is not None and self.ref_count[b] == 1:
                 del self.cached[h]
@@ -244,8 +353,27 @@ class BlockManager:
         if seqs is not None:
             refs = [0] * self.num_blocks
             for s in seqs:
-                for b in s.block_table:
+                for _, _, b in self.held_pages(s):
                     refs[b] += 1
             if refs != self.ref_count:
                 bad = [b for b in range(self.num_blocks) if refs[b] != self.ref_count[b]]
                 raise AssertionError(f"reference counts differ from the block tables at {bad}")
+
+
+class PrefixMatch(list):
+    """A prefix match with layer groups: as a list, group 0's pages (the match's length in
+    blocks); `pages` every group's (placeholders, page 0, in a local group before
+    `dropped`)."""
+
+    def __init__(self, pages: list[list[int]], dropped: int, local_groups: list[int]):
+        super().__init__(pages[0])
+        self.pages = pages
+        self.dropped = dropped
+        self.local_groups = local_groups
+
+    def held(self):
+        """(group, page) of every page the match takes a reference to."""
+        for g, table in enumerate(self.pages):
+            first = self.dropped if g in self.local_groups else 0
+            for b in table[first:]:
+                yield g, b

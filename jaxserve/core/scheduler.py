@@ -214,8 +214,10 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.held: list[Sequence] = []  # prefilled beyond the decode slots, waiting for one
         self.num_preemptions = 0
-        # The prefix cache's host tier: evicted cached blocks spill to the host pool.
-        self.host_tier = swap_space is not None and block_manager.enable_caching
+        # The prefix cache's host tier: evicted cached blocks spill to the host pool (not with
+        # layer groups, whose pages it does not track apart).
+        self.host_tier = (swap_space is not None and block_manager.enable_caching
+                          and block_manager.num_groups == 1 and not block_manager.local_groups)
 
     # ---------------------------------------------------------------------------- queue state
 
@@ -261,6 +263,9 @@ class Scheduler:
             self._admit_static_batch(now)
         num_priority_preemptions = len(out.preempted)
 
+        if bm.window is not None:  # pages no query of this step sees go back first
+            for s in itertools.chain(self.running, self.held):
+                bm.drop(s, s.num_computed_tokens)
         decodes, partial = [], []
         for s in self.running:
             (decodes if s.is_decoding else partial).append(s)

@@ -33,7 +33,8 @@ class Sequence:
                  "stop_reason", "seed", "detok", "text", "logprobs", "num_swapped_blocks",
                  "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
                  "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next",
-                 "stop_ids", "samples_plainly", "needs_history", "pooling", "pooled")
+                 "stop_ids", "samples_plainly", "needs_history", "pooling", "pooled",
+                 "group_tables", "num_dropped")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -50,6 +51,11 @@ class Sequence:
         # Changed in place only by appends; anything else assigns a new list (the step builder
         # copies only what is new while the list is the same: runtime/block_tables.py).
         self.block_table: list[int] = []
+        # With layer groups (core/kv_layout.py), groups 1.. have block tables of their own,
+        # as long as block_table; in a local group's, entries before num_dropped no longer
+        # hold a block of its own (they fell out of the window).
+        self.group_tables: list[list[int]] = []
+        self.num_dropped = 0
         self.stop_reason: str | int | None = None
         self.seed = seed  # per-request RNG stream: (seed, number of tokens generated)
         self.detok = None  # incremental detokenizer state, owned by the engine

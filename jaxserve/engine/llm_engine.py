@@ -45,7 +45,7 @@ from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.models.loader import LoadedModel, load_model
-from jaxserve.runtime.block_tables import BlockTableRows
+from jaxserve.runtime.block_tables import table_rows
 from jaxserve.runtime.runner import ModelRunner, RecompileError, StepResult
 from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
 
@@ -119,8 +119,10 @@ class LLMEngine:
         draft = (load_model(config.speculative_model)
                  if config.speculative_method == "draft_model" else None)
         self.runner = runner or ModelRunner(config, self.loaded, devices, draft)
+        layout = getattr(self.runner, "kv_layout", None)  # a stand-in runner has none
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching,
+                                          layout.windows if layout else (None,))
         # speculative decoding (core/speculative.py): the scheduler asks it for proposals
         self.speculator = (Speculator(
             DraftModelProposer(config.num_speculative_tokens) if draft is not None else
@@ -152,7 +154,8 @@ class LLMEngine:
         self.stat_logger = (StatLogger(config.log_stats_interval_s, time.perf_counter)
                             if config.log_stats_interval_s > 0 else None)
         self._in_flight: _Launched | None = None
-        self._tables = BlockTableRows(config.max_step_seqs, self.runner.buckets[2][-1])
+        self._tables = table_rows(config.max_step_seqs, self.runner.buckets[2][-1],
+                                  self.block_manager.num_groups)
         # structured output: the tokenizer's grammar form is built at the first use
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self.eos_token_ids)
@@ -252,8 +255,9 @@ class LLMEngine:
         check_salt(cache_salt)
         ids = self.prompt_ids(prompt, prompt_token_ids)
         if params.max_tokens is None:  # the rest of the context, as far as the pool holds it
+            held = self.block_manager.most_tokens_held(self.config.max_num_batched_tokens)
             room = min(self.config.max_model_len,
-                       self.block_manager.num_blocks * self.config.block_size) - len(ids)
+                       self.config.max_model_len if held is None else held) - len(ids)
             if room < 1:
                 raise ValueError(f"prompt has {len(ids)} tokens: no room left for max_tokens "
                                  f"in max_model_len ({self.config.max_model_len})")
@@ -362,7 +366,8 @@ class LLMEngine:
         if prompt_len + params.max_tokens > max_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({max_len})")
-        need = self.block_manager.blocks_needed(prompt_len + params.max_tokens)
+        need = self.block_manager.most_pages_held(prompt_len + params.max_tokens,
+                                                  self.config.max_num_batched_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {need} KV blocks, more than the whole "
                              f"pool (num_kv_blocks={self.block_manager.num_blocks})")
@@ -506,7 +511,8 @@ class LLMEngine:
                                         self.runner.logits_shape, prev.rows if prev else None,
                                         self.config.spec_tokens, self._tables,
                                         self.runner.plain_programs, sched.decode_steps,
-                                        self.config.max_num_seqs)
+                                        self.config.max_num_seqs,
+                                        self.block_manager.num_groups)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step
@@ -534,7 +540,8 @@ class LLMEngine:
             try:
                 build_step_inputs([s], self.runner.buckets, self.config.block_size,
                                   self.runner.num_blocks, self.runner.logits_shape,
-                                  {s.seq.request_id: 0}, self.config.spec_tokens)
+                                  {s.seq.request_id: 0}, self.config.spec_tokens,
+                                  num_groups=self.block_manager.num_groups)
             except Exception as e:  # noqa: BLE001
                 culprits.append((s, e))
         for s, e in culprits or [(s, error) for s in scheduled]:

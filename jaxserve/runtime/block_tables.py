@@ -17,7 +17,11 @@ from jaxserve.core.sequence import Sequence
 
 
 class BlockTableRows:
-    def __init__(self, max_step_seqs: int, max_blocks: int):
+    """`group`: the layer group (core/kv_layout.py) whose tables it keeps: 0's is
+    `seq.block_table`, another's `seq.group_tables[group - 1]`."""
+
+    def __init__(self, max_step_seqs: int, max_blocks: int, group: int = 0):
+        self.group = group
         # Rows of the last step's sequences are freed after this step's are taken: twice the
         # most sequences of a step never run out.
         num_rows = 2 * max_step_seqs
@@ -36,13 +40,13 @@ class BlockTableRows:
         """out[i] = the block table of scheduled[i], zero past its end (out is (S, MB), zeros,
         S >= len(scheduled)); returns the sequences' rows, (len(scheduled),) int64, to gather
         their constants with (`temperature[rows]`...)."""
-        held, rows = self._held, self.rows
+        held, rows, other = self._held, self.rows, self.group - 1
         self._fills += 1
         mark = self._fills
         index = []
         for s in scheduled:
             seq = s.seq
-            table = seq.block_table
+            table = seq.block_table if other < 0 else seq.group_tables[other]
             entry = held.get(seq)
             if entry is None:
                 row = self._free.pop()
@@ -75,3 +79,27 @@ class BlockTableRows:
         self.top_p[row] = p.top_p
         self.top_k[row] = p.top_k  # a value past int32 raises here: the step fails its row
         self.seeds[row] = seq.seed
+
+
+class GroupTableRows:
+    """BlockTableRows for each of G layer groups: fill() writes a step's (G, S, MB) tables;
+    the per-row constants are group 0's."""
+
+    def __init__(self, max_step_seqs: int, max_blocks: int, num_groups: int):
+        self.groups = [BlockTableRows(max_step_seqs, max_blocks, g) for g in range(num_groups)]
+        first = self.groups[0]
+        self.temperature, self.top_p, self.top_k, self.seeds = (
+            first.temperature, first.top_p, first.top_k, first.seeds)
+
+    def fill(self, scheduled: list[ScheduledSeq], out: np.ndarray) -> np.ndarray:
+        """out (G, S, MB): each group's tables; returns group 0's rows (BlockTableRows.fill)."""
+        for g in range(len(self.groups) - 1, 0, -1):
+            self.groups[g].fill(scheduled, out[g])
+        return self.groups[0].fill(scheduled, out[0])
+
+
+def table_rows(max_step_seqs: int, max_blocks: int, num_groups: int = 1):
+    """The rows kept for steps of a pool with `num_groups` layer groups."""
+    if num_groups == 1:
+        return BlockTableRows(max_step_seqs, max_blocks)
+    return GroupTableRows(max_step_seqs, max_blocks, num_groups)

@@ -77,11 +77,13 @@ def run(step: StepFn, kv: KVCache, ids: jax.Array, md: AttentionMetadata, si: Sa
     def one_step(carry):
         j, kv, ids, ctx, running, li, out = carry
         pos = jnp.maximum(ctx - 1, 0)  # (S,) the position each row computes
-        slot = md.block_tables[seqs, pos // block_size] * block_size + pos % block_size
+        # (..., S): with layer groups (core/kv_layout.py) a slot per group
+        slot = (md.block_tables[..., seqs, pos // block_size] * block_size
+                + pos % block_size)
         step_md = dataclasses.replace(
             md, positions=md.positions.at[rows].set(pos, mode="drop"),
-            slot_mapping=md.slot_mapping.at[rows].set(jnp.where(running, slot, drop_slot),
-                                                      mode="drop"),
+            slot_mapping=md.slot_mapping.at[..., rows].set(
+                jnp.where(running, slot, drop_slot), mode="drop"),
             context_lens=ctx)
         kv, got = step(kv, ids, step_md,
                        dataclasses.replace(si, steps=si.steps + j, samples=running), li)

@@ -26,16 +26,18 @@ class KVCache:
 
     @staticmethod
     def create(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
-               sharding=None) -> KVCache:
-        """Zeroed pages, made in place on `sharding`'s devices when given (never whole on one)."""
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+               sharding=None, rows: int | None = None) -> KVCache:
+        """Zeroed pages, made in place on `sharding`'s devices when given (never whole on one).
+        `rows`: layers per page (KVLayout.rows; default every layer)."""
+        shape = (rows or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         return KVCache(k=jnp.zeros(shape, dtype, device=sharding),
                        v=jnp.zeros(shape, dtype, device=sharding))
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype, rows: int | None = None) -> int:
+    """Bytes of one page of the pool: `rows` layers' K and V (default every layer)."""
     itemsize = jnp.dtype(dtype).itemsize
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return 2 * (rows or cfg.num_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def pool_bytes(memory_bytes: int, memory_fraction: float | None,

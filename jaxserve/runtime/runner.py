@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig, LayerLoop, Quantization
+from jaxserve.config import EngineConfig, LayerLoop, Quantization, Role
+from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.kernels import cpu_matmul, quant
 from jaxserve.kernels.attention import registry
@@ -33,6 +34,7 @@ from jaxserve.kernels.attention.base import AttentionBackend
 from jaxserve.kernels.attention.choose import choose_attention
 from jaxserve.kernels.attention.selftest import describe_error
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import (
     HEAD_BLOCKS,
     Transformer,
@@ -65,6 +67,27 @@ from jaxserve.runtime.step_inputs import Program, StepInputs, dummy_step_inputs,
 
 logger = logging.getLogger(__name__)
 
+
+
+def plan_kv_layout(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> KVLayout:
+    """The pool's layer groups (core/kv_layout.py): freeing out-of-window blocks where the
+    model has sliding windows and `free_window_blocks` is on or unset, unless something here
+    needs every block of a sequence kept (then unset means off, and on is refused)."""
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    if config.free_window_blocks is False or not any(w is not None for w in windows):
+        return KVLayout.whole(cfg.num_layers)
+    keep = [why for why, needs in (
+        ("a draft model reads every block through group 0's table", has_draft),
+        ("preemption_mode=swap copies whole tables", config.preemption_mode
+         is PreemptionMode.SWAP),
+        (f"role={config.role} hands whole tables over", config.role is not Role.BOTH))
+        if needs]
+    if keep:
+        if config.free_window_blocks:
+            raise ValueError(f"free_window_blocks: not available here: {'; '.join(keep)}")
+        logger.info("sliding-window blocks kept whole (%s)", "; ".join(keep))
+        return KVLayout.whole(cfg.num_layers)
+    return KVLayout.plan(windows, True)
 
 
 def pack_layers(layers: dict, batch_dims: int) -> dict:
@@ -248,19 +271,23 @@ class ModelRunner:
 
         params = as_step_params(mc, params)
         self.draft_config = self._check_draft(config, loaded, draft)
+        self.kv_layout = plan_kv_layout(config, mc, draft is not None)
         self.block_size = config.block_size
-        per_block = bytes_per_block(mc, config.block_size, self.kv_dtype)
+        per_block = bytes_per_block(mc, config.block_size, self.kv_dtype, self.kv_layout.rows)
         if self.draft_config is not None:  # its pool has the same blocks: they share the budget
             per_block += bytes_per_block(self.draft_config, config.block_size, self.kv_dtype)
         self._use_attention(self.attention.backend, self.attention.fn)
         # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
-        self.num_blocks = config.num_kv_blocks or max(1, pool_bytes(
-            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction, self.devices[0])
-            // (per_block // tp))
+        # num_kv_blocks counts blocks of every layer: in pages of fewer layers, as many bytes.
+        self.num_blocks = (config.num_kv_blocks * mc.num_layers // self.kv_layout.rows
+                           if config.num_kv_blocks else max(1, pool_bytes(
+                               config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
+                               self.devices[0]) // (per_block // tp)))
         if self.mesh is None:  # committed to its device: the jitted step runs where they live
             rep = jax.sharding.SingleDeviceSharding(self.devices[0])
             self.params = jax.device_put(params, rep)
-            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype, rep)
+            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype, rep,
+                                     self.kv_layout.rows)
             if self.draft_config is not None:
                 self.draft_params = jax.device_put(
                     as_step_params(self.draft_config, draft.params), rep)
@@ -272,7 +299,7 @@ class ModelRunner:
             self.params = jax.device_put(params, sharding.named(self.mesh, specs))
             kv_sharding = sharding.named(self.mesh, sharding.KV_SPEC)
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
-                                     kv_sharding)
+                                     kv_sharding, self.kv_layout.rows)
             rep = sharding.named(self.mesh, sharding.P())
             self._jit_kw = {"in_shardings": ((sharding.named(self.mesh, specs),), (kv_sharding,),
                                              rep, rep),
@@ -300,7 +327,8 @@ class ModelRunner:
                              "host pool would be split between them); use recompute")
         # The host pool serves swap preemption and the prefix cache's host tier.
         uses_host = (config.preemption_mode is PreemptionMode.SWAP
-                     or config.enable_prefix_caching) and not self.multiprocess
+                     or config.enable_prefix_caching and not self.kv_layout.frees
+                     and self.kv_layout.num_groups == 1) and not self.multiprocess
         self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
         self.host_pool = (HostSwapPool(self.pools, self.num_host_blocks, self.num_blocks)
                           if self.num_host_blocks else None)
@@ -330,7 +358,8 @@ class ModelRunner:
             experts_fn = sharding.shard_experts(self.mesh)
         scan = self.config.layer_loop is LayerLoop.SCAN
         self.model = Transformer(self.model_config, self.dtype, attn_fn, scan_layers=scan,
-                                 block_matmul=self.block_matmul, experts_fn=experts_fn)
+                                 block_matmul=self.block_matmul, experts_fn=experts_fn,
+                                 kv_layout=self.kv_layout)
         if self.draft_config is not None:
             self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
                                            scan_layers=scan, block_matmul=self.block_matmul)
@@ -549,7 +578,8 @@ class ModelRunner:
     def _dummy_inputs(self, program: Program) -> StepInputs:
         return dummy_step_inputs(program.tokens, program.seqs, program.blocks, self.block_size,
                                  self.num_blocks, self.logits_shape, program.spec_k,
-                                 program.plain, program.decode_steps)
+                                 program.plain, program.decode_steps,
+                                 self.kv_layout.num_groups)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         return self._jitted.lower(self.step_params, self.pools, self._last_tokens,

@@ -14,7 +14,7 @@ from jaxserve.core.scheduler import ScheduledSeq, pick_bucket, prompt_rows
 from jaxserve.core.sequence import PENDING
 from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.runtime import decode_loop, logits_processing
-from jaxserve.runtime.block_tables import BlockTableRows
+from jaxserve.runtime.block_tables import BlockTableRows, GroupTableRows, table_rows
 from jaxserve.runtime.decode_loop import DecodeLoopInputs
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
@@ -57,7 +57,7 @@ class StepInputs:
     @property
     def bucket(self) -> tuple[int, int, int]:
         return (self.input_ids.shape[0], self.logits_indices.shape[0],
-                self.attn.block_tables.shape[1])
+                self.attn.block_tables.shape[-1])
 
     @property
     def program(self) -> Program:
@@ -85,10 +85,11 @@ def build_step_inputs(
     logits_shape: LogitsShape,
     prev_rows: Mapping[str, int] | None = None,
     spec_k: int = 0,
-    tables: BlockTableRows | None = None,
+    tables: BlockTableRows | GroupTableRows | None = None,
     plain_programs: bool = False,
     decode_steps: int = 1,
     slots: int | None = None,
+    num_groups: int = 1,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
@@ -96,7 +97,8 @@ def build_step_inputs(
     the block tables kept from earlier steps (else each is copied whole). `plain_programs`:
     the runner has plain programs (a step that qualifies gets `plain`). `decode_steps`: the
     step's decode steps (SchedulerOutput.decode_steps). `slots`: the decode slots (see
-    seq_bucket)."""
+    seq_bucket). `num_groups`: the pool's layer groups (core/kv_layout.py): past one, the
+    block tables are (G, S, MB) and the slots (G, T), a table and a slot per group."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     ns = np.array([s.num_tokens for s in scheduled], np.int32)
@@ -113,8 +115,9 @@ def build_step_inputs(
     positions = np.zeros(t_pad, np.int32)
     token_seq = np.zeros(t_pad, np.int32)
     # Out-of-range slots make the scatter drop the padding rows' K/V.
-    slot_mapping = np.full(t_pad, num_blocks * block_size, np.int32)
-    block_tables = np.zeros((s_pad, mb_pad), np.int32)
+    grouped = (num_groups,) if num_groups > 1 else ()
+    slot_mapping = np.full((*grouped, t_pad), num_blocks * block_size, np.int32)
+    block_tables = np.zeros((*grouped, s_pad, mb_pad), np.int32)
     context_lens = np.zeros(s_pad, np.int32)
     query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
     logits_indices = np.zeros(s_pad, np.int32)
@@ -134,7 +137,7 @@ def build_step_inputs(
     context_lens[:num_seqs] = starts + ns
     logits_indices[:num_seqs] = qsl[1:] - 1
     if tables is None:  # a one-off step: rows of its own
-        tables = BlockTableRows(num_seqs, mb_pad)
+        tables = table_rows(num_seqs, mb_pad, num_groups)
     rows = tables.fill(scheduled, block_tables)
     temperature[:num_seqs] = tables.temperature[rows]
     top_p[:num_seqs] = tables.top_p[rows]
@@ -144,8 +147,8 @@ def build_step_inputs(
     pos = starts[seq_of_row] + (np.arange(num_tokens, dtype=np.int32) - qsl[:-1][seq_of_row])
     positions[:num_tokens] = pos
     token_seq[:num_tokens] = seq_of_row
-    slot_mapping[:num_tokens] = (block_tables[seq_of_row, pos // block_size] * block_size
-                                 + pos % block_size)
+    slot_mapping[..., :num_tokens] = (block_tables[..., seq_of_row, pos // block_size]
+                                      * block_size + pos % block_size)
     ids: list[int] = []
     from_prev = np.full(t_pad, -1, np.int32)
     spec = empty_spec_inputs(s_pad, spec_k, logits_shape.mask_words)
@@ -222,15 +225,19 @@ def _all_allowed(s: int, k: int, mask_words: int) -> np.ndarray:
 
 def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                       logits_shape: LogitsShape, spec_k: int = 0,
-                      plain: bool = False, decode_steps: int = 1) -> StepInputs:
+                      plain: bool = False, decode_steps: int = 1,
+                      num_groups: int = 1) -> StepInputs:
     """Shape-only stand-in for compiling a program at warmup (all rows are padding)."""
     i32 = lambda n: np.zeros(n, np.int32)
+    grouped = (num_groups,) if num_groups > 1 else ()
     return StepInputs(
         input_ids=i32(t),
         prev_rows=np.full(t, -1, np.int32),
         attn=AttentionMetadata(positions=i32(t), token_seq=i32(t),
-                               slot_mapping=np.full(t, num_blocks * block_size, np.int32),
-                               block_tables=np.zeros((s, mb), np.int32), context_lens=i32(s),
+                               slot_mapping=np.full((*grouped, t), num_blocks * block_size,
+                                                    np.int32),
+                               block_tables=np.zeros((*grouped, s, mb), np.int32),
+                               context_lens=i32(s),
                                query_start_loc=i32(s + 1)),
         logits_indices=i32(s),
         prompt_targets=np.full(t, -1, np.int32),

@@ -144,3 +144,78 @@ def test_block_names_extended_from_an_offset_equal_those_named_at_once():
     assert extend_hashes(part, tokens[32:], 16, "salt", first=2) == whole
     assert extend_hashes(whole[:1], tokens[16:], 16, "salt", first=1) == whole
     assert extend_hashes([], tokens, 16) != whole  # the salt is part of every name
+
+
+# ----------------------------------------------------------------------- layer groups
+
+def test_groups_take_a_page_each_and_drop_the_local_pages_out_of_the_window():
+    """Groups (global, local, local), window 6 of blocks of 4: a block costs three pages;
+    before a step at position p the local groups give back the blocks wholly older than
+    p - 5; free() returns the rest. Counts are in blocks of three pages."""
+    bm = BlockManager(30, BS, group_windows=(None, 6, 6))
+    assert bm.num_free_blocks == 10
+    s = seq("a", list(range(30)))
+    bm.allocate(s, 30)  # 8 blocks of 3 pages
+    assert len(bm.free_queue) == 6 and bm.num_free_blocks == 2
+    assert [len(t) for t in bm.tables(s)] == [8, 8, 8]
+    assert not bm.can_allocate(s, 41) and bm.can_allocate(s, 40)
+    bm.drop(s, 5)  # sees keys 0.. : nothing to drop
+    assert s.num_dropped == 0
+    bm.drop(s, 14)  # keys 9..14: blocks 0 and 1 leave both local groups
+    assert s.num_dropped == 2 and len(bm.free_queue) == 10
+    bm.drop(s, 13)  # never back
+    assert s.num_dropped == 2
+    bm.check_integrity([s])
+    assert len(list(bm.held_pages(s))) == 8 + 2 * 6
+    bm.free(s)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 10 and not s.group_tables
+    bm.check_integrity([s])
+
+
+def test_a_sequence_holds_its_windows_pages_only():
+    """A long sequence decoded token by token, window 8 of blocks of 4: each local group
+    never holds more than window / block + 2 pages at a step; the global group holds all."""
+    bm = BlockManager(200, BS, group_windows=(None, 8))
+    s = seq("a", list(range(3)))
+    most = 0
+    for pos in range(3, 300):
+        bm.drop(s, s.num_computed_tokens)
+        bm.allocate(s, pos + 1)
+        s.num_computed_tokens = pos + 1
+        local = sum(g == 1 for g, _, _ in bm.held_pages(s))
+        most = max(most, local)
+    assert most <= 8 // BS + 2 and len(s.block_table) == 75
+    bm.check_integrity([s])
+
+
+def test_groups_prefix_match_needs_the_last_window_of_local_pages():
+    """With caching, each group's full pages are cached under their group's name; a match
+    takes every global page of the prefix and the local pages of its last window only, and
+    is cut where the local pages are gone."""
+    bm = BlockManager(60, BS, enable_caching=True, group_windows=(None, 6))
+    a = seq("a", list(range(25)))  # 6 full blocks
+    compute(bm, a)
+    bm.free(a)
+    b = seq("b", list(range(25)) + [99])
+    m = admit(bm, b)
+    assert len(m) == 6 and b.num_computed_tokens == 24
+    # a query at 24 sees keys 19..: local blocks 4 and 5 only
+    assert b.num_dropped == 4 and [len(t) for t in bm.tables(b)] == [6, 6]
+    assert len(list(bm.held_pages(b))) == 6 + 2
+    bm.check_integrity([b])
+    bm.free(b)
+    # evict a's local pages of blocks 4, 5: the match falls back to where a window is whole
+    for blk in (4, 5):
+        page = bm.cached.pop((1, a.block_hashes[blk]))
+        bm.hash_of[page] = None
+    c = seq("c", list(range(25)) + [7])
+    assert len(admit(bm, c)) == 4  # a query at 16 sees keys 11..: local blocks 2, 3 cached
+    bm.check_integrity([c])
+
+
+def test_all_local_groups_fit_any_length():
+    bm = BlockManager(10, BS, group_windows=(8,))
+    assert bm.most_tokens_held(4) is None and bm.most_pages_held(1000, 4) == 4
+    mixed = BlockManager(30, BS, group_windows=(None, 8))
+    assert mixed.most_pages_held(40, 4) == 10 + 4
+    assert mixed.most_tokens_held(4) == (30 - 4) * BS

@@ -115,3 +115,23 @@ def test_plain_steps_are_those_without_branches_to_take(params, plain):
     inp = build_step_inputs(sched, BUCKETS, BLOCK, POOL, SHAPE, plain_programs=True)
     assert inp.plain is plain and inp.program.plain is plain
     assert not build_step_inputs(sched, BUCKETS, BLOCK, POOL, SHAPE).plain
+
+
+def test_layer_groups_give_a_table_and_a_slot_per_group():
+    """With layer groups (core/kv_layout.py) each group's table is its own and so is each
+    row's slot; the constants come from group 0's rows; the dummy inputs have the shapes."""
+    a = seq("a", [11, 12, 13, 14, 15, 16], blocks=[3, 9], temperature=0)
+    b = seq("b", [21, 22, 23, 24, 25, 26], out=[27], blocks=[5, 2], computed=6,
+            temperature=0.5)
+    a.group_tables, b.group_tables = [[7, 8]], [[0, 4]]  # b's first block dropped: page 0
+    sched = [ScheduledSeq.of(a, 5), ScheduledSeq.of(b, 1)]
+    inp = build_step_inputs(sched, BUCKETS, BLOCK, POOL, SHAPE, num_groups=2)
+    md = inp.attn
+    assert inp.bucket == (8, 4, 2)
+    np.testing.assert_array_equal(md.block_tables[:, :2], [[[3, 9], [5, 2]], [[7, 8], [0, 4]]])
+    np.testing.assert_array_equal(md.slot_mapping, [[12, 13, 14, 15, 36, 10, 80, 80],
+                                                    [28, 29, 30, 31, 32, 18, 80, 80]])
+    np.testing.assert_allclose(inp.sampling.temperature[:2], [0, 0.5])
+    dummy = dummy_step_inputs(8, 4, 2, BLOCK, POOL, SHAPE, num_groups=2)
+    assert dummy.attn.block_tables.shape == (2, 4, 2) and dummy.attn.slot_mapping.shape == (2, 8)
+    assert dummy.bucket == (8, 4, 2)
