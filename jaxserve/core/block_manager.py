@@ -73,10 +73,7 @@ class BlockManager:
 
     def held_pages(self, seq: Sequence):
         """Every page `seq` holds a reference to, by group: (group, index, page)."""
-        for g, table in enumerate(self.tables(seq)):
-            first = seq.num_dropped if g in self.local_groups else 0
-            for i in range(first, len(table)):
-                yield g, i, table[i]
+        return live_pages(self.tables(seq), seq.num_dropped, self.local_groups)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -87,19 +84,22 @@ class BlockManager:
         of up to `step_tokens` tokens: a page of every group per block, but a local group's
         only for the blocks a step's queries see."""
         n = self.blocks_needed(num_tokens)
-        local = min(n, self.blocks_needed(self.window - 1 + step_tokens) + 1
-                    if self.window else n)
+        local = min(n, self._window_pages(step_tokens))
         return (self.num_groups - len(self.local_groups)) * n + len(self.local_groups) * local
 
     def most_tokens_held(self, step_tokens: int) -> int | None:
         """The longest sequence the whole pool holds (most_pages_held), None if any length
         fits (every group local: a sequence holds no more than its window's pages)."""
         glob = self.num_groups - len(self.local_groups)
-        pages = self.num_blocks - len(self.local_groups) * (
-            self.blocks_needed(self.window - 1 + step_tokens) + 1 if self.window else 0)
+        pages = self.num_blocks - len(self.local_groups) * self._window_pages(step_tokens)
         if glob == 0:
             return None if pages >= 0 else 0
         return max(0, pages // glob) * self.block_size
+
+    def _window_pages(self, step_tokens: int) -> int:
+        """The most pages of one local group a step of `step_tokens` queries sees (0 without
+        windows): its queries' windows, ending anywhere in a block."""
+        return self.blocks_needed(self.window - 1 + step_tokens) + 1 if self.window else 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -191,7 +191,7 @@ class BlockManager:
         last token is never matched: computing it gives the logits to sample from."""
         if not self.enable_caching:
             return []
-        if self.num_groups > 1 or self.local_groups:
+        if self.window is not None:
             return self._match_groups(seq)
         blocks = []
         for h in self.matchable_names(seq):
@@ -287,7 +287,7 @@ class BlockManager:
         if full <= seq.num_cached_blocks:
             return
         hashes = self._hashes(seq, full)
-        if self.num_groups > 1 or self.local_groups:
+        if self.window is not None:
             for g, table in enumerate(self.tables(seq)):
                 first = seq.num_dropped if g in self.local_groups else 0
                 for i in range(max(seq.num_cached_blocks, first), full):
@@ -373,7 +373,13 @@ class PrefixMatch(list):
 
     def held(self):
         """(group, page) of every page the match takes a reference to."""
-        for g, table in enumerate(self.pages):
-            first = self.dropped if g in self.local_groups else 0
-            for b in table[first:]:
-                yield g, b
+        return ((g, b) for g, _, b in live_pages(self.pages, self.dropped, self.local_groups))
+
+
+def live_pages(tables: list[list[int]], num_dropped: int, local_groups: list[int]):
+    """(group, index, page) of each group's table entry that holds a page of its own: all
+    of a global group's, a local group's from `num_dropped` on."""
+    for g, table in enumerate(tables):
+        first = num_dropped if g in local_groups else 0
+        for i in range(first, len(table)):
+            yield g, i, table[i]

@@ -217,7 +217,7 @@ class Scheduler:
         # The prefix cache's host tier: evicted cached blocks spill to the host pool (not with
         # layer groups, whose pages it does not track apart).
         self.host_tier = (swap_space is not None and block_manager.enable_caching
-                          and block_manager.num_groups == 1 and not block_manager.local_groups)
+                          and block_manager.window is None)
 
     # ---------------------------------------------------------------------------- queue state
 

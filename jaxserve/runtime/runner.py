@@ -68,7 +68,6 @@ from jaxserve.runtime.step_inputs import Program, StepInputs, dummy_step_inputs,
 logger = logging.getLogger(__name__)
 
 
-
 def plan_kv_layout(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> KVLayout:
     """The pool's layer groups (core/kv_layout.py): freeing out-of-window blocks where the
     model has sliding windows and `free_window_blocks` is on or unset, unless something here
@@ -97,6 +96,7 @@ def pack_layers(layers: dict, batch_dims: int) -> dict:
     if "moe" in layers:
         out["moe"] = cpu_matmul.pack(layers["moe"], batch_dims + 1)
     return out
+
 
 class RecompileError(RuntimeError):
     """A step needed a program that warmup() did not compile (strict_compile=True)."""
@@ -325,10 +325,11 @@ class ModelRunner:
         if self.multiprocess and config.preemption_mode is PreemptionMode.SWAP:
             raise ValueError("preemption_mode=swap is not available across processes (the "
                              "host pool would be split between them); use recompute")
-        # The host pool serves swap preemption and the prefix cache's host tier.
-        uses_host = (config.preemption_mode is PreemptionMode.SWAP
-                     or config.enable_prefix_caching and not self.kv_layout.frees
-                     and self.kv_layout.num_groups == 1) and not self.multiprocess
+        # The host pool serves swap preemption and the prefix cache's host tier (which a
+        # pool freeing window blocks has not: Scheduler.host_tier).
+        tier = config.enable_prefix_caching and not self.kv_layout.frees
+        swap = config.preemption_mode is PreemptionMode.SWAP
+        uses_host = (swap or tier) and not self.multiprocess
         self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
         self.host_pool = (HostSwapPool(self.pools, self.num_host_blocks, self.num_blocks)
                           if self.num_host_blocks else None)
