@@ -163,13 +163,39 @@ inline v8 sum_lanes(const v8 (&x)[W]) {
          PICK(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// Key c's row of a sequence's pages (its keys or values, all kv heads: K * H contiguous values).
+// Walks key rows of a sequence's pages (its keys or values, all kv heads: K * H contiguous
+// values per key) in order, one page lookup per page rather than a division per key.
 template <typename T>
-inline const T* token_row(const Problem& pr, const void* pages, const int32_t* table, int64_t c,
-                          int64_t row_floats) {
-  const int64_t page = std::clamp<int64_t>(table[c / pr.block], 0, pr.pages - 1);
-  return static_cast<const T*>(pages) + (page * pr.block + c % pr.block) * row_floats;
-}
+class KeyRows {
+ public:
+  KeyRows(const Problem& pr, const void* pages, const int32_t* table, int64_t c,
+          int64_t row_floats)
+      : pr_(pr), pages_(static_cast<const T*>(pages)), table_(table), row_floats_(row_floats),
+        index_(c / pr.block), offset_(c % pr.block) {
+    row_ = page_start() + offset_ * row_floats_;
+  }
+  const T* row() const { return row_; }
+  void next() {
+    if (++offset_ < pr_.block) {
+      row_ += row_floats_;
+    } else {
+      offset_ = 0;
+      index_ = std::min(index_ + 1, pr_.max_blocks - 1);  // never past the table's row
+      row_ = page_start();
+    }
+  }
+
+ private:
+  const T* page_start() const {
+    const int64_t page = std::clamp<int64_t>(table_[index_], 0, pr_.pages - 1);
+    return pages_ + page * pr_.block * row_floats_;
+  }
+  const Problem& pr_;
+  const T* pages_;
+  const int32_t* table_;
+  int64_t row_floats_, index_, offset_;
+  const T* row_;
+};
 
 // Probabilities times values of keys [c0, c1) for U units of one kv head that share a row (so
 // its keys): their U * HV output vectors stay in registers while each value row is read once.
@@ -182,8 +208,9 @@ void weigh_values(const Problem& pr, const int32_t* table, int64_t kh, int64_t c
   v8 a[U][HV];
   for (int k = 0; k < U; ++k)
     for (int i = 0; i < HV; ++i) a[k][i] = load(acc[k] + i * W);
-  for (int64_t c = c0; c < c1; ++c) {
-    const T* vr = token_row<T>(pr, pr.v_pages, table, c, row_floats) + kh * H;
+  KeyRows<T> rows(pr, pr.v_pages, table, c0, row_floats);
+  for (int64_t c = c0; c < c1; ++c, rows.next()) {
+    const T* vr = rows.row() + kh * H;
     for (int i = 0; i < HV; ++i) {
       const v8 vv = Pages::load8(vr + i * W);
       for (int k = 0; k < U; ++k) a[k][i] = fma8(splat(probs[k][c]), vv, a[k][i]);
@@ -247,12 +274,16 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
   // bounds a long context): their key rows stay in L1 for every head and row of the tile, and
   // each key's dot product is left as eight partial sums, added up for all eight at once.
   // Keys past the last (to a whole vector) repeat it; the softmax masks them.
-  for (int64_t c0 = begin; c0 < n_keys; c0 += W)
+  KeyRows<T> keys(pr, pr.k_pages, table, begin, row_floats);
+  for (int64_t c0 = begin; c0 < n_keys; c0 += W) {
+    const T* chunk[W];
+    for (int j = 0; j < W; ++j) {
+      chunk[j] = keys.row();
+      if (c0 + j + 1 < n_keys) keys.next();
+    }
     for (int64_t kh = 0; kh < K; ++kh) {
       const T* kr[W];
-      for (int j = 0; j < W; ++j)
-        kr[j] = token_row<T>(pr, pr.k_pages, table, std::min(c0 + j, n_keys - 1), row_floats) +
-                kh * H;
+      for (int j = 0; j < W; ++j) kr[j] = chunk[j] + kh * H;
       for (int64_t r = 0; r < rows; ++r) {
         if (c0 >= seen[r] || c0 + W <= first[r]) continue;
         for (int64_t g = 0; g < G; ++g) {
@@ -269,6 +300,7 @@ void attend_tile(const Problem& pr, const Tile& tile, Scratch& sc) {
         }
       }
     }
+  }
   // Softmax over each row's own keys. The rest of its scores (the keys only the tile's later
   // rows see, those that left its window, and the padding to whole vectors) become exact
   // zeros before the sum, so adding them changes nothing: a row sums alike whatever the other

@@ -72,14 +72,15 @@ def test_a_rows_output_does_not_depend_on_its_tile(pool_dtype):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_ragged_batches(seed):
-    """Many sequences (more tiles than threads), block sizes 8 and 16, tiles of 1 to 64 rows."""
+    """Many sequences (more tiles than threads), tiles of 1 to 64 rows, block sizes 8 and 16
+    and ones that are not whole vectors of keys (5, 12: a vector of keys spans two pages)."""
     rng = np.random.default_rng(300 + seed)
     seqs = []
     for _ in range(int(rng.integers(1, 40))):
         ql = int(rng.choice([1, 1, 1, int(rng.integers(1, 90))]))
         seqs.append((ql, ql + int(rng.integers(0, 200))))
     q, k, v, md, t = make_case(seed, seqs, kv_heads=int(rng.choice([1, 3])), groups=3,
-                               dtype="float32", block_size=int(rng.choice([8, 16])),
+                               dtype="float32", block_size=int(rng.choice([5, 8, 12, 16])),
                                head_dim=64)
     got = run(q, k, v, md, block_q=int(rng.choice([1, 7, 16, 64])))
     assert_close(got, ragged_paged_attention_reference(q, k, v, LAYER, md), t, "float32")
