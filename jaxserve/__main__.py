@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(with --decode), and one front on the script's ports")
     launch.add_argument("--decode", type=int, default=None,
                         help="disaggregated serving: this many decode engine processes")
+    launch.add_argument("--devices-per-engine", type=int, default=None,
+                        help="disaggregated serving: devices of its own for each engine (its "
+                             "--tensor-parallel-size): a run of CUDA_VISIBLE_DEVICES each, or "
+                             "that many forced CPU devices")
     launch.add_argument("--cpu-devices-per-process", type=int, default=None,
                         help="on a CPU: devices to force in each process")
     launch.add_argument("--coordinator-port", type=int, default=None,
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                 (args.prefill is None) == (args.num_processes is None)):
             ap.error("launch: give --num-processes, or --prefill and --decode")
         if args.prefill is not None:
-            return launch_disaggregated(args.prefill, args.decode, script)
+            return launch_disaggregated(args.prefill, args.decode, script,
+                                        args.devices_per_engine)
         return run(args.num_processes, script, args.cpu_devices_per_process,
                    args.coordinator_port)
 

@@ -45,36 +45,61 @@ def launch(num_processes: int, command: list[str], cpu_devices_per_process: int 
                                   ENV["num_processes"]: str(num_processes),
                                   ENV["process_id"]: str(i)})
         if cpu_devices_per_process:
-            flags = env.get("XLA_FLAGS", "").split()
-            flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-            env["XLA_FLAGS"] = " ".join(
-                flags + [f"--xla_force_host_platform_device_count={cpu_devices_per_process}"])
+            env = _forced_cpu_devices(env, cpu_devices_per_process)
             env.setdefault("JAX_PLATFORMS", "cpu")
         runs.append((f"process {i} of {num_processes}", command, env,
                      f" (coordinator {address})"))
     return _run(runs)
 
 
-def launch_disaggregated(num_prefill: int, num_decode: int, command: list[str]) -> int:
+def launch_disaggregated(num_prefill: int, num_decode: int, command: list[str],
+                         devices_per_engine: int | None = None) -> int:
     """`num_prefill` prefill and `num_decode` decode engines, each `command` with --role and
     a free socket port (HTTP off), and one front: `command` as given (its ports are the
-    clients'), told the engines' addresses (serving/disagg.py)."""
+    clients'), told the engines' addresses (serving/disagg.py). `devices_per_engine`: give
+    each engine devices of its own (for --tensor-parallel-size): GPUs by
+    CUDA_VISIBLE_DEVICES, engine i the i-th run of that many; on a CPU, that many forced."""
     for name, n in (("prefill", num_prefill), ("decode", num_decode)):
         if n < 1:
             raise ValueError(f"{name} must be positive, got {n}")
     if not command:
         raise ValueError("give the script to run, e.g. -- scripts/serve.py ...")
+    if devices_per_engine is not None and devices_per_engine < 1:
+        raise ValueError(f"devices_per_engine must be positive, got {devices_per_engine}")
     runs, addresses = [], {"prefill": [], "decode": []}
     for role, n in (("prefill", num_prefill), ("decode", num_decode)):
         for i in range(n):
             port = free_port()
             addresses[role].append(f"127.0.0.1:{port}")
+            env = dict(os.environ)
+            if devices_per_engine:
+                env = engine_devices(env, len(runs), devices_per_engine)
             runs.append((f"{role} {i}", [*command, "--role", role, "--host", "127.0.0.1",
                                          "--port", str(port), "--http-port", "0"],
-                         dict(os.environ), f" (127.0.0.1:{port})"))
+                         env, f" (127.0.0.1:{port})"))
     runs.append(("front", [*command, "--prefill-engines", *addresses["prefill"],
                            "--decode-engines", *addresses["decode"]], dict(os.environ), ""))
     return _run(runs)
+
+
+def engine_devices(env: dict, index: int, count: int) -> dict:
+    """`env` for the engine process `index` of several given `count` devices each: its own
+    CUDA_VISIBLE_DEVICES (of those already visible, if set) and `count` forced CPU devices."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range((index + 1) * count)]
+    mine = gpus[index * count:(index + 1) * count]
+    if len(mine) < count:
+        raise ValueError(f"devices_per_engine={count}: engine {index} needs {count} GPUs "
+                         f"past the first {index * count} of CUDA_VISIBLE_DEVICES={visible}")
+    return {**_forced_cpu_devices(env, count), "CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _forced_cpu_devices(env: dict, count: int) -> dict:
+    """`env` with XLA_FLAGS forcing `count` CPU devices (replacing any such flag)."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**env, "XLA_FLAGS": " ".join(
+        flags + [f"--xla_force_host_platform_device_count={count}"])}
 
 
 def _run(runs: list[tuple[str, list[str], dict, str]]) -> int:

@@ -49,3 +49,21 @@ def test_disaggregated_launch_checks_its_counts(capsys):
     with pytest.raises(SystemExit):
         main(["launch", "--prefill", "1", "--", "scripts/serve.py"])
     assert "give --num-processes, or --prefill and --decode" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^devices_per_engine must be positive"):
+        launch_disaggregated(1, 1, ["scripts/serve.py"], devices_per_engine=0)
+
+
+def test_each_engine_gets_devices_of_its_own():
+    from jaxserve.launch import engine_devices
+
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=x"}
+    envs = [engine_devices(base, i, 2) for i in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3", "4,5"]
+    assert all(e["XLA_FLAGS"] == "--xla_dump_to=x --xla_force_host_platform_device_count=2"
+               for e in envs)
+    some = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # runs of the GPUs already visible
+    assert [engine_devices(some, i, 2)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == [
+        "4,5", "6,7"]
+    with pytest.raises(ValueError, match="engine 2 needs 2 GPUs past the first 4 of "
+                                         "CUDA_VISIBLE_DEVICES=4,5,6,7$"):
+        engine_devices(some, 2, 2)

@@ -53,7 +53,8 @@ class Reservation:
 class Handover:
     def __init__(self, engine, transfer_host: str = "127.0.0.1"):
         self.engine = engine
-        self.transfer = KVTransfer(engine.runner.devices, transfer_host)
+        self.transfer = KVTransfer(engine.runner.devices, engine.runner.head_layout,
+                                   transfer_host)
         self.parked: dict[str, Sequence] = {}
         self.receiving: dict[str, Reservation] = {}
         self.stats = HandoverStats()

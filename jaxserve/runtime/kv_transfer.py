@@ -7,6 +7,12 @@ own pool. Every pool of the engine moves together (the target's and a draft mode
 of each. A gather or scatter of n blocks runs as one program per power of two in n's binary
 form, so few programs ever compile and no padding is sent. docs/architecture.md says why this
 path rather than one staged through host memory.
+
+Under tensor parallelism a pool's kv heads are split over the engine's devices, and replicated
+or padded where they do not divide (runtime/sharding.py's HeadLayout). Blocks travel in the
+model's own heads, whole on the engine's first device: the sender gathers them from its
+devices, the receiver lays them out over its own, so engines of any tensor_parallel_size
+exchange blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import numpy as np
 from jax.experimental import transfer
 
 from jaxserve.runtime.kv_cache import KVCache
+from jaxserve.runtime.sharding import HeadLayout
 
 
 def _pieces(n: int) -> list[tuple[int, int]]:
@@ -31,19 +38,30 @@ def _pieces(n: int) -> list[tuple[int, int]]:
 
 
 class KVTransfer:
-    def __init__(self, devices: list[jax.Device], host: str = "127.0.0.1"):
-        if len(devices) != 1:
-            raise ValueError("role: a prefill or decode engine runs on one device "
-                             f"(tensor_parallel_size=1), got {len(devices)}")
+    def __init__(self, devices: list[jax.Device], heads: HeadLayout, host: str = "127.0.0.1"):
+        """`devices`: the engine's; `heads`: how its target pool lays out the model's kv heads
+        (a draft model's pool is never split)."""
+        if any(d.process_index != devices[0].process_index for d in devices):
+            raise ValueError("role: a prefill or decode engine runs in one process; its "
+                             "devices span several")
         self.device = devices[0]
+        self.heads = heads
         self.server = transfer.start_transfer_server(self.device.client, f"{host}:0",
                                                      [f"{host}:0"])
         self._conns: dict[str, transfer.TransferConnection] = {}
-        self._gather = jax.jit(lambda pools, ids: [a[:, ids] for a in jax.tree.leaves(pools)])
+        self._one = jax.sharding.SingleDeviceSharding(self.device)
+
+        def each(fn, pools) -> list:  # fn for the target pool's arrays, a draft's kept as is
+            return [fn if i == 0 else _same for i, pool in enumerate(pools)
+                    for _ in jax.tree.leaves(pool)]
+
+        self._gather = jax.jit(lambda pools, ids: [
+            f(a[:, ids]) for f, a in zip(each(heads.model_heads, pools), jax.tree.leaves(pools),
+                                         strict=True)])
         self._scatter = jax.jit(
             lambda pools, ids, blocks: jax.tree.unflatten(jax.tree.structure(pools), [
-                a.at[:, ids].set(b) for a, b in zip(jax.tree.leaves(pools), blocks,
-                                                     strict=True)]),
+                a.at[:, ids].set(f(b)) for f, a, b in zip(
+                    each(heads.laid_out, pools), jax.tree.leaves(pools), blocks, strict=True)]),
             donate_argnums=(0,))
 
     @property
@@ -57,7 +75,7 @@ class KVTransfer:
         arrays = []
         for start, size in _pieces(len(block_ids)):
             ids = np.asarray(block_ids[start:start + size], np.int32)
-            arrays.extend(self._gather(pools, ids))
+            arrays.extend(jax.device_put(self._gather(pools, ids), self._one))
         self.server.await_pull(uuid, arrays, timeout=_deadline(timeout_s))
         return sum(a.nbytes for a in arrays)
 
@@ -68,13 +86,19 @@ class KVTransfer:
         conn = self._conns.get(address)
         if conn is None:
             conn = self._conns[address] = self.server.connect(address)
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        specs = [jax.ShapeDtypeStruct((a.shape[0], size, *a.shape[2:]), a.dtype,
-                                      sharding=sharding)
-                 for _, size in _pieces(num_blocks) for a in jax.tree.leaves(pools)]
+        specs = [jax.ShapeDtypeStruct(self._wire_shape(a.shape, size, i == 0), a.dtype,
+                                      sharding=self._one)
+                 for _, size in _pieces(num_blocks) for i, pool in enumerate(pools)
+                 for a in jax.tree.leaves(pool)]
         arrays = conn.pull(uuid, specs, timeout=_deadline(timeout_s))
         jax.block_until_ready(arrays)  # a lost peer shows here, not in the engine's step
         return arrays
+
+    def _wire_shape(self, pool_shape: tuple, num_blocks: int, target: bool) -> tuple:
+        """A pull's array: (L, num_blocks, B, K, H), K the model's own under tensor parallelism."""
+        layers, _, block, kv_heads, head_dim = pool_shape
+        return layers, num_blocks, block, self.heads.model_kv_heads if target else kv_heads, \
+            head_dim
 
     def drop(self, address: str) -> None:
         """Forget the connection to a peer that failed (the next pull reconnects)."""
@@ -86,8 +110,23 @@ class KVTransfer:
         per_piece = len(jax.tree.leaves(pools))
         for i, (start, size) in enumerate(_pieces(len(block_ids))):
             ids = np.asarray(block_ids[start:start + size], np.int32)
-            pools = self._scatter(pools, ids, arrays[i * per_piece:(i + 1) * per_piece])
+            blocks = arrays[i * per_piece:(i + 1) * per_piece]
+            pools = self._scatter(pools, ids, [jax.device_put(b, _replicated(a))
+                                               for a, b in zip(jax.tree.leaves(pools), blocks,
+                                                               strict=True)])
         return pools
+
+
+def _same(x):
+    return x
+
+
+def _replicated(pool: jax.Array) -> jax.sharding.Sharding:
+    """Whole on every device of `pool`: the scatter's blocks live where its pages do."""
+    sharding = pool.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
 
 
 def _deadline(timeout_s: float) -> datetime.datetime:

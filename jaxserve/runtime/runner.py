@@ -226,12 +226,12 @@ class ModelRunner:
         self.devices = sharding.device_group(devices, tp, ep)
         mc, params = loaded.config, loaded.params
         self.mesh = None
+        self.head_layout = sharding.HeadLayout.plan(mc, tp)  # (the identity at tp = 1)
         if mc.is_moe and tp * ep > 1:  # experts split over the mesh as float weights
             params = {**params, "layers": {**params["layers"], "moe": quant.dequantize_tree(
                 params["layers"]["moe"])}}
         if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
             self.mesh = sharding.make_mesh(self.devices, ep)
-            self.head_layout = sharding.HeadLayout.plan(mc, tp)
             mc, params = sharding.relayout(mc, params, self.head_layout)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         keep_blocks = config.quantization is Quantization.AUTO

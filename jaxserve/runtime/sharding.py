@@ -34,6 +34,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -66,6 +67,21 @@ class HeadLayout:
             return HeadLayout(n, tp, tp // k, 0)
         groups = -(-k // tp) * tp
         return HeadLayout(groups * (n // k), groups, 1, groups - k)
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's own kv-head count, before replication or padding."""
+        return (self.num_kv_heads - self.pad_groups) // self.kv_replicas
+
+    def model_heads(self, pages: jax.Array) -> jax.Array:
+        """Pages (..., K, H) laid out by this plan -> the model's own kv heads (..., K0, H)."""
+        return pages[..., ::self.kv_replicas, :][..., :self.model_kv_heads, :]
+
+    def laid_out(self, pages: jax.Array) -> jax.Array:
+        """The inverse of `model_heads`: each head replicated, or zero heads appended."""
+        pages = jnp.repeat(pages, self.kv_replicas, axis=-2)
+        widths = [(0, 0)] * (pages.ndim - 2) + [(0, self.pad_groups), (0, 0)]
+        return jnp.pad(pages, widths)
 
     def describe(self, cfg: ModelConfig, tp: int) -> str:
         if self.kv_replicas > 1:

@@ -110,3 +110,34 @@ def test_aborts_while_parked_or_receiving_return_every_block(engines):
 def test_role_is_checked():
     with pytest.raises(ValueError, match="^role must be one of both, prefill, decode"):
         EngineConfig(role="middle")
+
+
+@pytest.mark.parametrize("tp_prefill,tp_decode", [(2, 1), (1, 4), (4, 2)])
+def test_engines_of_any_tensor_parallel_size_hand_over(engines, tiny_llama_dir, tp_prefill,
+                                                       tp_decode):
+    """Blocks travel in the model's own kv heads: a prefill engine splitting them over 2
+    devices hands over to one on a single device, one on a single device to one replicating
+    each kv head over 4, and one replicating them to one splitting them over 2. Greedy tokens
+    equal the colocated engine's; the bytes sent are those of the model's heads; every block
+    comes back on both sides."""
+    both = engines["both"]
+    for rid, ids in PROMPTS.items():
+        both.add_request(rid, prompt_token_ids=ids, params=PARAMS)
+    want = {r: o.outputs[0].token_ids for r, o in run_all(both).items()}
+    pre, dec = (make_engine(tiny_llama_dir, role=role, tensor_parallel_size=tp, **SMALL)
+                for role, tp in (("prefill", tp_prefill), ("decode", tp_decode)))
+    assert dec.runner.model_config.num_kv_heads == max(2, tp_decode)  # replicated at tp 4
+    prompts = {f"tp-{r}": ids for r, ids in PROMPTS.items()}
+    for rid, first in _prefill(pre, prompts).items():
+        r, nbytes = _hand_over(pre, dec, rid, first)
+        assert nbytes == r.num_blocks * bytes_per_block(both.model_config, 8,
+                                                        dec.runner.kv_dtype)
+    pre.take_pending_outputs()
+    got = {r: o.outputs[0].token_ids for r, o in run_all(dec).items()}
+    assert got == {f"tp-{r}": t for r, t in want.items()}
+    for e in (pre, dec):
+        assert e.block_manager.num_used_blocks == 0 and not e.requests
+        e.block_manager.check_integrity([])
+    assert dec.runner.kv.k.sharding == dec.runner.kv.v.sharding  # still laid out as it was
+    if tp_decode > 1:
+        assert len(dec.runner.kv.k.sharding.device_set) == tp_decode

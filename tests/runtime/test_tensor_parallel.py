@@ -75,6 +75,24 @@ def test_head_layouts():
     assert sharding.HeadLayout.plan(gqa, 8) == sharding.HeadLayout(8, 8, 4, 0)
 
 
+@pytest.mark.parametrize("kv_heads,tp", [(3, 2), (3, 4), (2, 4), (2, 8), (3, 3), (3, 1)])
+def test_pages_move_between_head_layouts_in_the_models_own_heads(kv_heads, tp):
+    """model_heads takes a pool laid out for tp back to the model's kv heads, and laid_out
+    rebuilds exactly what relayout's weights would have computed: each head replicated, or
+    zero heads appended (the K/V of a zero group)."""
+    cfg = ModelConfig("llama", 100, 64, 128, 2, num_heads=4 * kv_heads, num_kv_heads=kv_heads,
+                      head_dim=8)
+    layout = sharding.HeadLayout.plan(cfg, tp)
+    pages = np.random.default_rng(kv_heads * tp).standard_normal((2, 5, 4, kv_heads, 8)).astype(
+        np.float32)
+    mine = np.asarray(layout.laid_out(pages))
+    assert mine.shape[-2] == layout.num_kv_heads and layout.model_kv_heads == kv_heads
+    want = np.concatenate([np.repeat(pages, layout.kv_replicas, axis=-2),
+                           np.zeros((2, 5, 4, layout.pad_groups, 8), np.float32)], axis=-2)
+    np.testing.assert_array_equal(mine, want)
+    np.testing.assert_array_equal(np.asarray(layout.model_heads(mine)), pages)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [3, 2])
 def test_default_model_same_tokens_at_tp(smollm, tp, caplog):

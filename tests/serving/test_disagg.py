@@ -51,15 +51,18 @@ def _flags(cfg: dict) -> list[str]:
 class Launched:
     """The launcher and its processes; the front's ports and every process's pid."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, engines: int = 2, launch: tuple = (), serve: tuple = ()):
+        """`engines` prefill and as many decode engines; `launch` and `serve`: more flags for
+        the launcher and for scripts/serve.py."""
         self.http_port = free_port()
         cache = os.environ.get("JAXSERVE_TEST_XLA_CACHE",
                                os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve", "launch", "--prefill", "2", "--decode", "2",
-             "--", "scripts/serve.py", "--model", model, "--port", "0", "--http-port",
-             str(self.http_port), "--log-stats-interval-s", "0", "--compilation-cache-dir",
-             cache, *_flags(ENGINE)], stderr=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "jaxserve", "launch", "--prefill", str(engines), "--decode",
+             str(engines), *launch, "--", "scripts/serve.py", "--model", model, "--port", "0",
+             "--http-port", str(self.http_port), "--log-stats-interval-s", "0",
+             "--compilation-cache-dir", cache, *_flags(ENGINE), *serve],
+            stderr=subprocess.PIPE, text=True)
         self.pids: dict[str, int] = {}
         self.lines: list[str] = []
         self.port = None
@@ -157,6 +160,28 @@ def test_greedy_tokens_equal_the_colocated_engine(launched, expected):
         done = c.generate(prompt_token_ids=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0,
                           ignore_eos=True, n=2)
     assert [ch["token_ids"] for ch in done["choices"]] == [expected[2]] * 2
+
+
+def test_engines_split_over_devices_of_their_own(tiny_llama_dir, expected, colocated):
+    """`--devices-per-engine 2` gives each engine two devices of its own and
+    `--tensor-parallel-size 2` splits its kv heads over them: greedy tokens, streamed and not,
+    equal the colocated single-device engine's, and a handover carries the model's heads."""
+    run = Launched(tiny_llama_dir, engines=1, launch=("--devices-per-engine", "2"),
+                   serve=("--tensor-parallel-size", "2"))
+    try:
+        assert sum("tensor parallel: mesh {'model': 2} over ['cpu:0', 'cpu:1']" in line
+                   for line in run.lines) == 2  # each engine on devices of its own
+        client = run.client()
+        got = [_ask(client, PROMPTS[i], s) for s in (False, True) for i in range(len(PROMPTS))]
+        assert got == expected + expected
+        m = run.metrics()
+        assert m["jaxserve_handovers_total"] == 2 * len(PROMPTS)
+        assert m["jaxserve_handover_last_bytes"] == bytes_per_block(
+            colocated.model_config, 8, colocated.runner.kv_dtype)  # [300, 301, 302]: 1 block
+        _all_blocks_back(run, ["prefill-0", "decode-0"])
+    finally:
+        run.stop()
+    assert run.proc.returncode == 0
 
 
 def test_decode_side_hits_its_prefix_cache_and_metrics_show_handovers(launched, colocated):
