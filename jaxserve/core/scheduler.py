@@ -344,8 +344,7 @@ class Scheduler:
             # whatever prefix of it the cache holds: on the device, then in the host tier.
             fresh = bm.enable_caching and seq.num_computed_tokens == 0
             cached = bm.match_prefix(seq) if fresh else []
-            loaded = (self.swap_space.match(bm.matchable_names(seq)[len(cached):])
-                      if fresh and self.host_tier else [])
+            loaded = self.match_host(seq, len(cached)) if fresh else []
             computed = (len(cached) + len(loaded)) * bm.block_size or seq.num_computed_tokens
             n = self._chunk(seq, budget, computed)
             need = (bm.blocks_needed(computed + n) - len(cached) - len(seq.block_table)
@@ -455,6 +454,25 @@ class Scheduler:
             if spills:
                 device_ids, host_ids = map(list, zip(*spills, strict=True))
                 self._copy(out, True, device_ids, host_ids)
+
+    def take_over(self, seq: Sequence, cached: list[int], loaded: list[int]) -> list[KVCopy]:
+        """Blocks for a sequence whose prompt was computed elsewhere (a decode engine's
+        handover): `cached` (match_prefix), then new blocks for the host-tier blocks `loaded`
+        (copied in) and for the rest of its prompt (to be filled by the caller). Returns the
+        copies to make before any step reads them."""
+        out = SchedulerOutput([])
+        bm, num_prompt = self.block_manager, seq.num_prompt_tokens
+        bm.take_prefix(seq, cached, num_prompt)
+        if loaded:
+            self._load_from_host(seq, loaded, out)
+        self._allocate(seq, num_prompt, out)
+        return out.copies
+
+    def match_host(self, seq: Sequence, num_cached: int) -> list[int]:
+        """Host-tier blocks holding `seq`'s prompt blocks past its first `num_cached`."""
+        if not self.host_tier:
+            return []
+        return self.swap_space.match(self.block_manager.matchable_names(seq)[num_cached:])
 
     def _load_from_host(self, seq: Sequence, host_ids: list[int], out: SchedulerOutput) -> None:
         """Give `seq` (holding its device-cached prefix) new blocks for the host-tier blocks

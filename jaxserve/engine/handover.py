@@ -37,7 +37,8 @@ class HandoverStats:
     bytes_received: int = 0  # decode: K/V bytes pulled
     seconds: float = 0.0  # decode: time spent pulling
     blocks_pulled: int = 0
-    blocks_cached: int = 0  # decode: prompt blocks found here by name, not sent
+    blocks_cached: int = 0  # decode: prompt blocks found here by name (device or host
+    # tier), not sent
     num_refused: int = 0  # decode: reservations refused for want of room
     last_bytes: int = 0
     last_seconds: float = 0.0
@@ -121,6 +122,7 @@ class Handover:
             e._pending_outputs.append(e._output(update))
             return Reservation(seq, 0, 0)
         cached = bm.match_prefix(seq)
+        loaded = e.scheduler.match_host(seq, len(cached))  # copied in, not pulled
         need = bm.blocks_needed(num_prompt)
         short = (bm.num_blocks_taken_from_free(cached) + need - len(cached)
                  > bm.num_free_blocks)
@@ -132,10 +134,10 @@ class Handover:
             what = (f"{need - len(cached)} free KV blocks" if short
                     else f"a sequence slot (max_num_seqs={e.config.max_num_seqs})")
             raise NoRoom(f"the decode engine has no room now: needs {what}")
-        bm.take_prefix(seq, cached, num_prompt)
-        bm.allocate(seq, num_prompt)
-        r = self.receiving[request_id] = Reservation(seq, len(cached), need - len(cached))
-        self.stats.blocks_cached += len(cached)
+        e.run_copies(e.scheduler.take_over(seq, cached, loaded))
+        have = len(cached) + len(loaded)
+        r = self.receiving[request_id] = Reservation(seq, have, need - have)
+        self.stats.blocks_cached += have
         return r
 
     def pull(self, address: str, uuid: int, num_blocks: int, timeout_s: float):

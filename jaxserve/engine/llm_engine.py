@@ -498,9 +498,7 @@ class LLMEngine:
             concurrent.futures.wait([self._in_flight.output])
         with jax.profiler.TraceAnnotation("jaxserve.schedule"):
             sched = self.scheduler.schedule()
-            for c in sched.copies:  # in order: a copy may read what a later one overwrites
-                (self.runner.swap_out if c.to_host else self.runner.swap_in)(c.device_ids,
-                                                                            c.host_ids)
+            self.run_copies(sched.copies)
         if sched.is_empty:
             return None
         with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
@@ -531,6 +529,12 @@ class LLMEngine:
             r.seq.prompt_logprobs_next = r.first + r.count
         rows = {s.seq.request_id: i for i, s in enumerate(sched.scheduled) if s.samples}
         return _Launched(sched, inp, out, rows, prompt, t0)
+
+    def run_copies(self, copies: list) -> None:
+        """Make the scheduler's block copies between the device and the host pool."""
+        for c in copies:  # in order: a copy may read what a later one overwrites
+            (self.runner.swap_out if c.to_host else self.runner.swap_in)(c.device_ids,
+                                                                        c.host_ids)
 
     def _fail_culprits(self, scheduled: list[ScheduledSeq], error: Exception) -> None:
         """Building a step's inputs raised: fail the sequences whose rows fail on their own

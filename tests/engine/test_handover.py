@@ -141,3 +141,35 @@ def test_engines_of_any_tensor_parallel_size_hand_over(engines, tiny_llama_dir, 
     assert dec.runner.kv.k.sharding == dec.runner.kv.v.sharding  # still laid out as it was
     if tp_decode > 1:
         assert len(dec.runner.kv.k.sharding.device_set) == tp_decode
+
+
+def test_blocks_in_the_decode_sides_host_tier_are_copied_in_not_sent(engines, tiny_llama_dir):
+    """A decode engine whose small pool evicted the system prompt's blocks to its prefix
+    cache's host tier takes them back from there at the next handover: only the blocks past
+    them are pulled, the tokens equal the colocated engine's, and every block comes back."""
+    both, pre = engines["both"], engines["prefill"]
+    dec = make_engine(tiny_llama_dir, role="decode", num_kv_blocks=12, max_model_len=96,
+                      **SMALL)
+    PROMPTS["filler"] = [(11 * i) % 500 + 1 for i in range(80)]  # 10 blocks: evicts them
+    order = ["h1-u0", "f-filler", "h2-u1"]
+    try:
+        for rid in ("u0", "filler", "u1"):
+            both.add_request(rid, prompt_token_ids=PROMPTS[rid], params=PARAMS)
+        want = {r: o.outputs[0].token_ids for r, o in run_all(both).items()}
+        sent, got = {}, {}
+        for rid in order:  # one at a time: each finishes before the next
+            first = _prefill(pre, {rid: PROMPTS[rid.split("-")[1]]})[rid]
+            r, _ = _hand_over(pre, dec, rid, first)
+            sent[rid] = r.first_block, r.num_blocks
+            pre.take_pending_outputs()
+            got |= {k: o.outputs[0].token_ids for k, o in run_all(dec).items()}
+    finally:
+        del PROMPTS["filler"]
+    assert got == {rid: want[rid.split("-")[1]] for rid in order}
+    assert sent["h1-u0"] == (0, 6)
+    assert sent["h2-u1"] == (5, 1)  # the system prompt's 5 blocks were found, not sent
+    snap = dec.metrics_snapshot()
+    assert snap["prefix_cache_host_hits"] >= 8 * 3  # at least 3 of them from the host tier
+    assert snap["handover_blocks_cached"] == 5
+    assert dec.block_manager.num_used_blocks == 0 and not dec.requests
+    dec.block_manager.check_integrity([])
