@@ -1,12 +1,14 @@
 """Speculative decoding on an input-grounded workload: chat requests that copy, correct, edit,
-quote or summarize a text given in the prompt, in process at a fixed concurrency, with
-speculation off, adaptive (the policy of jaxserve/core/speculative.py) and at a fixed k, all
-n-gram; `draft` runs the adaptive policy on a draft model's proposals (`--draft-model`, by
-default the target itself: every proposal is then accepted, and the draft costs what the target
-does, so it shows the acceptance side, not a speed-up).
+quote or summarize a text given in the prompt (or, `--workload chat`, open-ended ones), in
+process at a fixed concurrency, with speculation off, adaptive (the policy of
+jaxserve/core/speculative.py) and at a fixed k, all n-gram; `draft` runs the adaptive policy on
+a draft model's proposals (`--draft-model`, by default the target itself: every proposal is
+then accepted, and the draft costs what the target does, so it shows the acceptance side, not
+a speed-up).
 
     python scripts/bench_spec.py [--concurrency 1 4 64] [--max-tokens 128]
     python scripts/bench_spec.py --configs off draft --draft-model PATH
+    python scripts/bench_spec.py --workload chat   # open-ended chat prompts: little to copy
 
 Greedy, so every configuration generates the same tokens; each engine warms up (compiles)
 first and runs the concurrencies in order. Prints output tok/s, TPOT p50, the acceptance rate
@@ -18,6 +20,10 @@ proposals and their mean k.
 from __future__ import annotations
 
 import argparse
+import sys
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_generate import chat_ids, make_prompts  # noqa: E402  (the chat workload)
 
 from jaxserve import EngineConfig, LLMEngine  # noqa: E402
 from jaxserve.bench import drivers, report  # noqa: E402
@@ -67,6 +73,9 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--workload", choices=("grounded", "chat"), default="grounded",
+                    help="grounded: the prompts above; chat: bench_generate.py's 32 open-ended "
+                         "chat prompts, which give n-grams little to copy")
     ap.add_argument("--configs", nargs="+", default=["off", "adaptive", "fixed"],
                     help="which of off, adaptive, fixed, draft to run")
     ap.add_argument("--draft-model", default=None,
@@ -76,10 +85,7 @@ def main() -> None:
 
     loaded = load_model()
     tok = loaded.tokenizer
-    texts = prompts()
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                        add_generation_prompt=True, return_dict=False))
-           for t in texts]
+    ids = chat_ids(tok, prompts() if args.workload == "grounded" else make_prompts(32))
     configs = {"off": {},
                "adaptive": dict(speculative_method="ngram", num_speculative_tokens=args.k),
                "fixed": dict(speculative_method="ngram", num_speculative_tokens=args.k,
