@@ -52,6 +52,7 @@ from jaxserve.runtime import (
     distributed,
     executable_cache,
     logits_processing,
+    memory_maps,
     sharding,
 )
 from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
@@ -648,10 +649,21 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - raised again, naming the program
                 raise _ProgramError(program, e) from e
 
+        def first_alone(pool, fn, *lists) -> list:
+            """fn over the lists' items: the first alone, then, once the memory maps it took
+            say the rest fit (runtime/memory_maps.py), the rest on the pool."""
+            if not lists[0]:
+                return []
+            used = memory_maps.maps_in_use()
+            first = fn(*(x[0] for x in lists))
+            memory_maps.check_before(len(lists[0]) - 1, used, 1)
+            return [first, *pool.map(fn, *(x[1:] for x in lists))]
+
         todo = []
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             missing = [p for p in self.all_programs() if p not in self._executables]
-            for program, exe in zip(missing, pool.map(self._cached, missing), strict=True):
+            for program, exe in zip(missing, first_alone(pool, self._cached, missing),
+                                    strict=True):
                 if exe is None:
                     todo.append(program)
                 else:
@@ -662,7 +674,7 @@ class ModelRunner:
                     lowered.append(self._lower(program))
                 except Exception as e:  # noqa: BLE001
                     raise _ProgramError(program, e) from e
-            for program, exe in zip(todo, pool.map(build, todo, lowered), strict=True):
+            for program, exe in zip(todo, first_alone(pool, build, todo, lowered), strict=True):
                 self._executables[program] = exe
 
     def _fall_back(self, program: Program, error: Exception) -> bool:
