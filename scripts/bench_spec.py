@@ -20,6 +20,7 @@ proposals and their mean k.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -134,6 +135,7 @@ def main() -> None:
                       f"{table(policy.verify_time)}; with prefill "
                       f"{table(policy.mixed_time)}", flush=True)
         del engine
+        gc.collect()  # its programs' memory (and memory maps) go before the next compiles
     print("\nconcurrency  " + "  ".join(f"{n:>22}" for n in configs))
     for c in args.concurrency:
         base = rows[(next(iter(configs)), c)]["output_tok_per_s"]

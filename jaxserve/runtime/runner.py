@@ -274,6 +274,7 @@ class ModelRunner:
         self.draft_config = self._check_draft(config, loaded, draft)
         self.kv_layout = plan_kv_layout(config, mc, draft is not None)
         self.block_size = config.block_size
+        self.map_budget = memory_maps.MapBudget()  # memory maps its programs take
         per_block = bytes_per_block(mc, config.block_size, self.kv_dtype, self.kv_layout.rows)
         if self.draft_config is not None:  # its pool has the same blocks: they share the budget
             per_block += bytes_per_block(self.draft_config, config.block_size, self.kv_dtype)
@@ -596,6 +597,8 @@ class ModelRunner:
         if exe is None:
             try:
                 exe = self._build(program, self._lower(program))
+            except memory_maps.MapLimitError:
+                raise
             except Exception as e:  # noqa: BLE001 - the kernel's fault falls back once
                 if not self._fall_back(program, e):
                     raise
@@ -605,14 +608,16 @@ class ModelRunner:
         return exe
 
     def _cached(self, program: Program) -> jax.stages.Compiled | None:
-        return None if self.executable_cache is None else self.executable_cache.load(program)
+        if self.executable_cache is None:
+            return None
+        return self.map_budget.run(self.executable_cache.load, program)
 
     def _build(self, program: Program,
                lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         self.num_compiles += 1
         if self.executable_cache is None:
-            return lowered.compile()
-        return self.executable_cache.compile(program, lowered)
+            return self.map_budget.run(lowered.compile)
+        return self.map_budget.run(self.executable_cache.compile, program, lowered)
 
     @property
     def num_loaded_executables(self) -> int:
@@ -646,6 +651,8 @@ class ModelRunner:
         def build(program, lowered):
             try:
                 return self._build(program, lowered)
+            except memory_maps.MapLimitError:
+                raise
             except Exception as e:  # noqa: BLE001 - raised again, naming the program
                 raise _ProgramError(program, e) from e
 
@@ -654,9 +661,8 @@ class ModelRunner:
             say the rest fit (runtime/memory_maps.py), the rest on the pool."""
             if not lists[0]:
                 return []
-            used = memory_maps.maps_in_use()
             first = fn(*(x[0] for x in lists))
-            memory_maps.check_before(len(lists[0]) - 1, used, 1)
+            self.map_budget.check_remaining(len(lists[0]) - 1)
             return [first, *pool.map(fn, *(x[1:] for x in lists))]
 
         todo = []

@@ -22,15 +22,23 @@ def test_headroom_is_refused_naming_the_limit_and_what_to_change():
 
 
 @linux
-def test_maps_are_counted_and_a_program_too_big_for_them_is_refused():
-    before = memory_maps.maps_in_use()
-    regions = [mmap.mmap(-1, 4096, prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0))
-               for i in range(40)]  # alternating protections: maps that cannot merge
-    assert memory_maps.maps_in_use() >= before + 20
-    limit = memory_maps.map_limit()
-    assert limit and limit > memory_maps.maps_in_use()
-    memory_maps.check_before(1, before, 1)  # one more of these fits
-    with pytest.raises(RuntimeError, match=f"vm.max_map_count={limit};"):
-        memory_maps.check_before(limit // 20, before, 1)
-    for r in regions:
-        r.close()
+def test_a_budget_counts_what_programs_take_and_refuses_one_that_would_not_fit():
+    budget = memory_maps.MapBudget()
+    assert budget.limit and budget.limit > memory_maps.maps_in_use() + memory_maps.RESERVE
+
+    def program(n):  # maps n regions of alternating protections (they cannot merge)
+        return [mmap.mmap(-1, 4096, prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0))
+                for i in range(n)]
+
+    kept = [budget.run(program, 40) for _ in range(3)]
+    assert budget.count == 3 and budget.most >= 40 and budget.total >= 120
+    budget.check_remaining(10)  # 10 more of these fit
+    with pytest.raises(memory_maps.MapLimitError, match=f"vm.max_map_count={budget.limit};"):
+        budget.check_remaining(budget.limit // 40)
+    budget.most = budget.limit  # a program that big: refused before it runs
+    with pytest.raises(memory_maps.MapLimitError, match="compiling 1 more step programs"):
+        budget.run(program, 1)
+    assert budget.count == 3
+    for regions in kept:
+        for r in regions:
+            r.close()
