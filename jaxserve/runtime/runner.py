@@ -656,19 +656,21 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - raised again, naming the program
                 raise _ProgramError(program, e) from e
 
-        def first_alone(pool, fn, *lists) -> list:
-            """fn over the lists' items: the first alone, then, once the memory maps it took
-            say the rest fit (runtime/memory_maps.py), the rest on the pool."""
-            if not lists[0]:
-                return []
-            first = fn(*(x[0] for x in lists))
-            self.map_budget.check_remaining(len(lists[0]) - 1)
-            return [first, *pool.map(fn, *(x[1:] for x in lists))]
+        def ends_alone(pool, fn, *lists) -> list:
+            """fn over the lists' items: the first and last (all_programs' plainest and its
+            most complex variant) alone, then, once the memory maps they took say the rest
+            fit (runtime/memory_maps.py), the rest on the pool."""
+            n = len(lists[0])
+            if n < 3:
+                return [fn(*items) for items in zip(*lists, strict=True)]
+            ends = [fn(*(x[i] for x in lists)) for i in (0, -1)]
+            self.map_budget.check_remaining(n - 2)
+            return [ends[0], *pool.map(fn, *(x[1:-1] for x in lists)), ends[1]]
 
         todo = []
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             missing = [p for p in self.all_programs() if p not in self._executables]
-            for program, exe in zip(missing, first_alone(pool, self._cached, missing),
+            for program, exe in zip(missing, ends_alone(pool, self._cached, missing),
                                     strict=True):
                 if exe is None:
                     todo.append(program)
@@ -680,7 +682,7 @@ class ModelRunner:
                     lowered.append(self._lower(program))
                 except Exception as e:  # noqa: BLE001
                     raise _ProgramError(program, e) from e
-            for program, exe in zip(todo, first_alone(pool, build, todo, lowered), strict=True):
+            for program, exe in zip(todo, ends_alone(pool, build, todo, lowered), strict=True):
                 self._executables[program] = exe
 
     def _fall_back(self, program: Program, error: Exception) -> bool:
