@@ -45,7 +45,6 @@ class KVTransfer:
             raise ValueError("role: a prefill or decode engine runs in one process; its "
                              "devices span several")
         self.device = devices[0]
-        self.heads = heads
         self.server = transfer.start_transfer_server(self.device.client, f"{host}:0",
                                                      [f"{host}:0"])
         self._conns: dict[str, transfer.TransferConnection] = {}
@@ -86,19 +85,13 @@ class KVTransfer:
         conn = self._conns.get(address)
         if conn is None:
             conn = self._conns[address] = self.server.connect(address)
-        specs = [jax.ShapeDtypeStruct(self._wire_shape(a.shape, size, i == 0), a.dtype,
-                                      sharding=self._one)
-                 for _, size in _pieces(num_blocks) for i, pool in enumerate(pools)
-                 for a in jax.tree.leaves(pool)]
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._one)
+                 for _, size in _pieces(num_blocks)
+                 for a in jax.eval_shape(self._gather, pools,
+                                         jax.ShapeDtypeStruct((size,), np.int32))]
         arrays = conn.pull(uuid, specs, timeout=_deadline(timeout_s))
         jax.block_until_ready(arrays)  # a lost peer shows here, not in the engine's step
         return arrays
-
-    def _wire_shape(self, pool_shape: tuple, num_blocks: int, target: bool) -> tuple:
-        """A pull's array: (L, num_blocks, B, K, H), K the model's own under tensor parallelism."""
-        layers, _, block, kv_heads, head_dim = pool_shape
-        return layers, num_blocks, block, self.heads.model_kv_heads if target else kv_heads, \
-            head_dim
 
     def drop(self, address: str) -> None:
         """Forget the connection to a peer that failed (the next pull reconnects)."""
