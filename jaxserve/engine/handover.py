@@ -37,8 +37,7 @@ class HandoverStats:
     bytes_received: int = 0  # decode: K/V bytes pulled
     seconds: float = 0.0  # decode: time spent pulling
     blocks_pulled: int = 0
-    blocks_cached: int = 0  # decode: prompt blocks found here by name (device or host
-    # tier), not sent
+    blocks_cached: int = 0  # decode: prompt blocks found here (device or host tier), not sent
     num_refused: int = 0  # decode: reservations refused for want of room
     last_bytes: int = 0
     last_seconds: float = 0.0
