@@ -116,7 +116,8 @@ class EngineConfig:
               "(default: the token buckets' sizes up to max_num_seqs)")
     block_buckets: tuple[int, ...] | None = option(
         None, "padded blocks-per-sequence widths to compile (default: powers of two from 4 "
-              "up to the blocks of max_model_len)")
+              "up to the blocks of max_model_len; that last alone for an attention backend "
+              "whose cost does not grow with the width, the cpu kernel's)")
     tensor_parallel_size: int = option(
         1, "devices each step's model is split over (Megatron layout on a mesh axis 'model': "
            "heads, MLP columns/rows and vocabulary; the KV pool by kv head)")
@@ -383,8 +384,11 @@ class EngineConfig:
             decode_steps_plain=bool(self.plain_programs), max_held_seqs=self.held_seqs,
             ttft_target_s=None if self.ttft_target_ms is None else self.ttft_target_ms / 1e3)
 
-    def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """(token, sequence, blocks-per-sequence) buckets; each ends at its limit."""
+    def buckets(self, one_table_width: bool = False
+                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(token, sequence, blocks-per-sequence) buckets; each ends at its limit.
+        `one_table_width`: the attention's cost does not grow with the block table's width,
+        so the default blocks buckets are max_model_len's alone."""
         self._resolved()
         # Decode steps dominate a serving run and cost their padded row count: the sizes
         # between the powers of two pad them less, for a few more programs compiled once.
@@ -395,8 +399,8 @@ class EngineConfig:
                                         + (self.max_num_seqs,))
         seqs = self.seq_buckets or (_pow2_range(1, self.max_step_seqs)
                                     + _midpoints(self.max_step_seqs) + mid)
-        blocks = self.block_buckets or _pow2_range(min(4, self.max_blocks_per_seq),
-                                                   self.max_blocks_per_seq)
+        blocks = self.block_buckets or (() if one_table_width else _pow2_range(
+            min(4, self.max_blocks_per_seq), self.max_blocks_per_seq))
         tokens = tuple(sorted(set(tokens) | {self.max_num_batched_tokens}))
         seqs = tuple(sorted(set(seqs) | {self.max_num_seqs, self.max_step_seqs}))
         blocks = tuple(sorted(set(blocks) | {self.max_blocks_per_seq}))

@@ -107,6 +107,16 @@ def test_default_buckets_add_the_decode_midpoints_and_keep_one_seq_bucket_per_to
     assert EngineConfig(max_num_seqs=64, token_buckets=(16, 64)).buckets()[0] == (16, 64, 512)
 
 
+def test_one_table_width_keeps_max_model_lens_blocks_alone_unless_given():
+    cfg = EngineConfig(max_num_seqs=16, max_model_len=2048, block_size=16)
+    assert cfg.buckets()[2] == (4, 8, 16, 32, 64, 128)
+    assert cfg.buckets(one_table_width=True)[2] == (128,)
+    assert cfg.buckets(one_table_width=True)[:2] == cfg.buckets()[:2]
+    given = EngineConfig(max_num_seqs=16, max_model_len=2048, block_size=16,
+                         block_buckets=(8, 32))
+    assert given.buckets(one_table_width=True)[2] == (8, 32, 128)
+
+
 def test_held_prefills_and_the_ttft_target_are_options_checked_by_name():
     ap = argparse.ArgumentParser()
     add_options(ap, EngineConfig)

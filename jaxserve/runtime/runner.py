@@ -335,7 +335,6 @@ class ModelRunner:
         self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
         self.host_pool = (HostSwapPool(self.pools, self.num_host_blocks, self.num_blocks)
                           if self.num_host_blocks else None)
-        self.buckets = config.buckets()
         # Rows' logit processing: the history holds every distinct token of a context.
         self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
                                                           config.max_model_len)
@@ -355,6 +354,8 @@ class ModelRunner:
     def _use_attention(self, backend: AttentionBackend | str, attn_fn) -> None:
         """Build the model (and the draft model) around `attn_fn`, per device under TP."""
         self._attention_backend, self._attention_fn = backend, attn_fn
+        self.buckets = self.config.buckets(isinstance(backend, AttentionBackend) and
+                                           registry.backend(backend).table_width_free)
         experts_fn = block_experts if self.block_matmul is not None else grouped_experts
         if self.mesh is not None:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)

@@ -57,6 +57,9 @@ class Backend(abc.ABC):
     """One attention backend: its name, why it cannot run here, its function."""
 
     name: ClassVar[AttentionBackend]
+    # Whether its cost follows each row's context alone, not the block table's width: then
+    # one table width (max_model_len's) serves every step, and a blocks bucket is one program.
+    table_width_free: ClassVar[bool] = False
 
     def unavailable(self, *, dtype=None, head_dim: int | None = None, groups: int | None = None,
                     block_size: int | None = None, kv_dtype=None) -> str | None:

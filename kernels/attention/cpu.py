@@ -73,6 +73,7 @@ def ragged_paged_attention_cpu(
 
 class CpuBackend(Backend):
     name = AttentionBackend.CPU
+    table_width_free = True  # it walks each row's pages up to its position
 
     def unavailable(self, *, dtype=None, head_dim=None, groups=None, kv_dtype=None, **_):
         if dtype is not None and jnp.dtype(dtype) != jnp.float32:

@@ -42,3 +42,21 @@ def test_a_budget_counts_what_programs_take_and_refuses_one_that_would_not_fit()
     for regions in kept:
         for r in regions:
             r.close()
+
+
+def test_the_cpu_defaults_compile_few_programs(tiny_llama_dir):
+    """Under the cpu attention kernel one block-table width serves every step, so the CPU
+    defaults compile a program per token bucket (and one more where held prefills join),
+    and n-gram speculation twice that: far below what vm.max_map_count holds."""
+    from jaxserve import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    plain, spec = (LLMEngine(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, **kw))
+                   for kw in ({}, {"speculative_method": "ngram"}))
+    if plain.runner.attention_backend != "cpu":
+        pytest.skip("the cpu attention kernel does not run here")
+    tokens, _, blocks = plain.runner.buckets
+    assert blocks == (plain.config.max_blocks_per_seq,)
+    held = [t for t in tokens if t > plain.config.max_num_seqs]
+    assert len(plain.runner.all_programs()) == len(tokens) + len(held) == 16
+    assert len(spec.runner.all_programs()) == 32
