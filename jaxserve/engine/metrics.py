@@ -13,7 +13,9 @@ from jaxserve.core.sequence import Sequence
 
 
 class EngineMetrics:
-    """Counters and per-step samples. Lists of per-step samples are bounded to `window` steps."""
+    """Counters and per-step samples. Lists of samples keep at least the last `window` and
+    at most 2 x `window`: trimmed back to `window` when they reach twice that, so a sample
+    costs O(1) however long the engine runs (trimming one a step moved the whole list)."""
 
     def __init__(self, window: int = 100_000):
         self.window = window
@@ -35,15 +37,16 @@ class EngineMetrics:
         self.generation_tokens += sampled
         for lst, v in ((self.step_durations, duration), (self.step_running, running),
                        (self.step_waiting, waiting), (self.step_kv_used, kv_used)):
-            lst.append(v)
-            if len(lst) > self.window:
-                del lst[: len(lst) - self.window]
+            self._keep(lst, v)
 
     def record_finished(self, seq: Sequence) -> None:
         self.num_requests_finished += 1
-        self.finished.append(seq.metrics)
-        if len(self.finished) > self.window:
-            del self.finished[: len(self.finished) - self.window]
+        self._keep(self.finished, seq.metrics)
+
+    def _keep(self, samples: list, value) -> None:
+        samples.append(value)
+        if len(samples) >= 2 * self.window:
+            del samples[: len(samples) - self.window]
 
     def record_rejection(self) -> None:
         self.num_rejections += 1
