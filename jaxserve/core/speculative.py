@@ -22,8 +22,11 @@ est_verify(rows + B * k) - est(rows) more. An accepted token is worth what a tok
 every decoding sequence makes one per step, est(D) / D for D decodes: it is one the sequences
 will not have to make later. Each step takes the k in [1, num_speculative_tokens] (within the
 step's token budget) with the largest worth minus cost, if its worth beats its cost by 10%
-(else 0). Marginal, not per-step rates: a step that also carries prompt tokens is slow for
-them, which must not make its extra rows look cheap.
+(else 0). That k assumes every speculating sequence proposes k tokens; the n-gram proposer
+finds fewer (a context without a match proposes nothing), so the proposals made are priced
+again by the same sums over their own lengths, and cut shorter or dropped where the fewer
+tokens no longer pay for the larger program. Marginal, not per-step rates: a step that also
+carries prompt tokens is slow for them, which must not make its extra rows look cheap.
 
 est(tokens) is the bucket's measured decode-step time; between and past measured buckets, the
 line through the nearest two; with fewer than two measured, the time of steps that also
@@ -188,17 +191,26 @@ class AdaptivePolicy:
         top = max(0, min(self.max_k, room))
         if not self.adaptive or top == 0:
             return top
+        return self.best_cut([top] * num_seqs, other_tokens + num_seqs, num_decodes or num_seqs)
+
+    def best_cut(self, lengths: list[int], base: int, num_decodes: int) -> int:
+        """The most proposed tokens a sequence keeps, for proposals of `lengths` (one per
+        sequence that proposes) in a step of `base` tokens without them: the cut k (each
+        proposal shortened to at most k) with the largest worth minus cost, if its worth beats
+        its cost by the margin; else 0 (see the module docstring). Not adaptive: no cut."""
+        top = max(lengths, default=0)
+        if not self.adaptive or top == 0:
+            return top
         a = min(max(self.acceptance, 0.0), 0.99)
-        decodes = max(num_decodes or num_seqs, 1)
+        decodes = max(num_decodes, 1)
         worth = self.estimate(decodes) / decodes  # of one token
-        base = other_tokens + num_seqs
         t0 = self.estimate(base)
 
         gains = {}  # k -> (worth of the extra tokens, extra time)
         for k in range(top, 0, -1):
-            extra = num_seqs * (a - a ** (k + 1)) / (1 - a)  # a + ... + a^k per sequence
-            gains[k] = extra * worth, max(0.0, self.estimate_verifying(base + num_seqs * k)
-                                          - t0)
+            cut = [min(n, k) for n in lengths]
+            extra = sum((a - a ** (n + 1)) / (1 - a) for n in cut)  # a + ... + a^n each
+            gains[k] = extra * worth, max(0.0, self.estimate_verifying(base + sum(cut)) - t0)
         # on ties (rows free within the bucket) the larger k, which gains more tokens
         best = max(gains, key=lambda k: gains[k][0] - gains[k][1])
         saved, cost = gains[best]
@@ -243,7 +255,10 @@ class Speculator:
                 drafts = drafts[:valid]
             if drafts:
                 plans[seq.request_id] = drafts
-        return plans
+        # k assumed every sequence proposes k tokens; priced again on those it found
+        cut = self.policy.best_cut([len(d) for d in plans.values()], other_tokens + len(seqs),
+                                   num_decodes or len(seqs))
+        return {rid: drafts[:cut] for rid, drafts in plans.items()} if cut else {}
 
     def record(self, proposed: int, accepted: int, rows: int) -> None:
         """A step's verification: `rows` sequences proposed `proposed` tokens in all."""

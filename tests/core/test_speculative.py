@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jaxserve.core.speculative import AdaptivePolicy, NgramProposer
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sequence import Sequence
+from jaxserve.core.speculative import AdaptivePolicy, NgramProposer, Speculator
 
 BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 
@@ -95,3 +97,31 @@ def test_a_fixed_policy_always_takes_the_most():
     for t in BUCKETS:
         policy.record_step(t, t * 1e-2)
     assert policy.choose_k(64, 0, 512) == 4
+
+
+def test_proposals_are_priced_again_on_what_the_proposer_found():
+    """k is chosen as if every speculating sequence proposed k tokens. Four sequences with 4
+    proposals each fill bucket 32 and pay for it; when only one finds a match, its 4 tokens
+    still need bucket 8, twice the plain step's time, for a quarter of the gain: dropped."""
+    times = {1: 0.010, 2: 0.010, 4: 0.010, 8: 0.020, 16: 0.025, 32: 0.030}
+    policy = AdaptivePolicy(4, tuple(times))
+    for t, sec in times.items():
+        policy.record_step(t, sec)
+    policy.acceptance = 0.9
+    spec = Speculator(NgramProposer(k=4, n_min=2, n_max=2), policy)
+    repeats = [5, 6, 1, 2, 3, 4, 5, 6]  # "5 6" recurs: 1 2 3 4 follows
+    plain = [[10 + 7 * i, 11 + 7 * i, 12 + 7 * i, 13 + 7 * i] for i in range(4)]
+
+    def seqs(prompts):
+        return [Sequence(f"r{i}", p, SamplingParams(max_tokens=64), i, 0)
+                for i, p in enumerate(prompts)]
+
+    assert policy.choose_k(4, 0, 512) == 4
+    every = spec.plan(seqs([repeats] * 4), 0, 512, 2048)
+    assert every == {f"r{i}": [1, 2, 3, 4] for i in range(4)}
+    assert policy.best_cut([4], 4, 4) == 0
+    assert spec.plan(seqs([repeats, *plain[1:]]), 0, 512, 2048) == {}
+    # a fixed policy proposes what it finds
+    fixed = Speculator(NgramProposer(k=4, n_min=2, n_max=2),
+                       AdaptivePolicy(4, tuple(times), adaptive=False))
+    assert fixed.plan(seqs([repeats, *plain[1:]]), 0, 512, 2048) == {"r0": [1, 2, 3, 4]}
