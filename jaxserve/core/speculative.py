@@ -42,6 +42,7 @@ to 0.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 
 import numpy as np
@@ -189,16 +190,15 @@ class AdaptivePolicy:
             return 0
         room = (budget - other_tokens - num_seqs) // num_seqs
         top = max(0, min(self.max_k, room))
-        if not self.adaptive or top == 0:
-            return top
-        return self.best_cut([top] * num_seqs, other_tokens + num_seqs, num_decodes or num_seqs)
+        return self.best_cut({top: num_seqs}, other_tokens + num_seqs, num_decodes or num_seqs)
 
-    def best_cut(self, lengths: list[int], base: int, num_decodes: int) -> int:
-        """The most proposed tokens a sequence keeps, for proposals of `lengths` (one per
-        sequence that proposes) in a step of `base` tokens without them: the cut k (each
-        proposal shortened to at most k) with the largest worth minus cost, if its worth beats
-        its cost by the margin; else 0 (see the module docstring). Not adaptive: no cut."""
-        top = max(lengths, default=0)
+    def best_cut(self, lengths: dict[int, int], base: int, num_decodes: int) -> int:
+        """The most proposed tokens a sequence keeps, for proposals of `lengths` (proposal
+        length -> sequences that propose that many) in a step of `base` tokens without them:
+        the cut k (each proposal shortened to at most k) with the largest worth minus cost, if
+        its worth beats its cost by the margin; else 0 (see the module docstring). Not
+        adaptive: no cut."""
+        top = max((n for n, count in lengths.items() if count), default=0)
         if not self.adaptive or top == 0:
             return top
         a = min(max(self.acceptance, 0.0), 0.99)
@@ -208,9 +208,11 @@ class AdaptivePolicy:
 
         gains = {}  # k -> (worth of the extra tokens, extra time)
         for k in range(top, 0, -1):
-            cut = [min(n, k) for n in lengths]
-            extra = sum((a - a ** (n + 1)) / (1 - a) for n in cut)  # a + ... + a^n each
-            gains[k] = extra * worth, max(0.0, self.estimate_verifying(base + sum(cut)) - t0)
+            cut = [(min(n, k), count) for n, count in lengths.items()]
+            # a + ... + a^n for each sequence proposing n
+            extra = sum(count * (a - a ** (n + 1)) / (1 - a) for n, count in cut)
+            rows = sum(n * count for n, count in cut)
+            gains[k] = extra * worth, max(0.0, self.estimate_verifying(base + rows) - t0)
         # on ties (rows free within the bucket) the larger k, which gains more tokens
         best = max(gains, key=lambda k: gains[k][0] - gains[k][1])
         saved, cost = gains[best]
@@ -256,8 +258,10 @@ class Speculator:
             if drafts:
                 plans[seq.request_id] = drafts
         # k assumed every sequence proposes k tokens; priced again on those it found
-        cut = self.policy.best_cut([len(d) for d in plans.values()], other_tokens + len(seqs),
-                                   num_decodes or len(seqs))
+        lengths = collections.Counter(len(d) for d in plans.values())
+        if lengths == {k: len(seqs)}:  # as assumed: the same price
+            return plans
+        cut = self.policy.best_cut(lengths, other_tokens + len(seqs), num_decodes or len(seqs))
         return {rid: drafts[:cut] for rid, drafts in plans.items()} if cut else {}
 
     def record(self, proposed: int, accepted: int, rows: int) -> None:

@@ -119,7 +119,7 @@ def test_proposals_are_priced_again_on_what_the_proposer_found():
     assert policy.choose_k(4, 0, 512) == 4
     every = spec.plan(seqs([repeats] * 4), 0, 512, 2048)
     assert every == {f"r{i}": [1, 2, 3, 4] for i in range(4)}
-    assert policy.best_cut([4], 4, 4) == 0
+    assert policy.best_cut({4: 1}, 4, 4) == 0
     assert spec.plan(seqs([repeats, *plain[1:]]), 0, 512, 2048) == {}
     # a fixed policy proposes what it finds
     fixed = Speculator(NgramProposer(k=4, n_min=2, n_max=2),
