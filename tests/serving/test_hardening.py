@@ -28,7 +28,9 @@ MAX_SEQS = 8  # one step's worth of tokens: at most one per running sequence
 @pytest.fixture(scope="module")
 def server(smollm):
     cfg = engine_config(max_num_seqs=MAX_SEQS, seq_buckets=(MAX_SEQS,), num_kv_blocks=128)
-    srv = RunningServer(LLMEngine(cfg, loaded=smollm), write_stall_timeout_s=1.0)
+    engine = LLMEngine(cfg, loaded=smollm)
+    engine.warmup()  # as serve.py does: no compile inside the timed windows below
+    srv = RunningServer(engine, write_stall_timeout_s=1.0)
     yield srv
     srv.stop()
 
