@@ -156,8 +156,11 @@ class DecoderLayer(nn.Module):
         d, n, kh, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size)
 
+        # padding rows follow the real tokens: the block matmul leaves them zero, uncomputed
+        rows = md.query_start_loc[-1]
+
         def project(x, group, contract=1):
-            return self.project(x, group, contract, stacks, layer)
+            return self.project(x, group, contract, stacks, layer, rows)
 
         y = norm("input_norm")(x)
         q, k, v = project(y, (("wq", (d, n, h)), ("wk", (d, kh, h)), ("wv", (d, kh, h))))
@@ -194,12 +197,15 @@ class DecoderLayer(nn.Module):
 
     def project(self, x: jax.Array, group: tuple[tuple[str, tuple[int, ...]], ...],
                 contract: int = 1, stacks: dict | None = None,
-                layer: jax.Array | None = None) -> list[jax.Array]:
+                layer: jax.Array | None = None,
+                rows: jax.Array | None = None) -> list[jax.Array]:
         """x (T, prod(shape[:contract])) @ each weight (name, shape) of `group` ->
         [(T, *shape[contract:])]: all in one `block_matmul` call where the weights are kept in
         blocks it reads (it then scales x once for the group), else (and for a group of one) one
         at a time (project_one).
-        `stacks`: weights held apart as every layer's stack, read at layer `layer`."""
+        `stacks`: weights held apart as every layer's stack, read at layer `layer`.
+        `rows`: how many of x's rows are real; a block matmul computes only those (the rest
+        of its output is zeros), a plain dot all of them."""
         fused = FUSED.get(tuple(name for name, _ in group))
         if fused is not None and self.has_variable("params", fused):
             return self.project_fused(x, fused, [shape for _, shape in group], contract)
@@ -210,28 +216,29 @@ class DecoderLayer(nn.Module):
                   for (name, _), apart in zip(group, held, strict=True)]
             if all(w is not None for w in ws):
                 ys = self.block_matmul(x, ws, contract, [shape for _, shape in group],
-                                       layer if held[0] else None)
+                                       layer if held[0] else None, rows)
                 if ys is not None:
                     return ys
         return [self.project_one(x, name, shape, contract,
-                                 None if stacks is None else stacks.get(name), layer)
+                                 None if stacks is None else stacks.get(name), layer, rows)
                 for name, shape in group]
 
     def project_one(self, x: jax.Array, name: str, shape: tuple[int, ...], contract: int = 1,
-                    stack: dict | None = None, layer: jax.Array | None = None) -> jax.Array:
+                    stack: dict | None = None, layer: jax.Array | None = None,
+                    rows: jax.Array | None = None) -> jax.Array:
         """x (T, prod(shape[:contract])) @ weight `name` of `shape` -> (T, *shape[contract:]):
         through `block_matmul` when the weight is kept in blocks and it reads them, else as
         one dot on the expanded weight (one contraction: with two contracting dims XLA:CPU
         copies the weight every step). `stack`: the weight is layer `layer` of it."""
         if stack is not None:  # held apart for the kernel (split_layer_blocks), which reads it
-            ys = None if self.block_matmul is None else self.block_matmul(x, [stack], contract,
-                                                                          [shape], layer)
+            ys = None if self.block_matmul is None else self.block_matmul(
+                x, [stack], contract, [shape], layer, rows)
             if ys is None:
                 raise ValueError(f"{LAYER_BLOCKS} holds {name!r}, which no block matmul reads")
             return ys[0]
         if self.block_matmul is not None and self.has_variable("params", name):
             ys = self.block_matmul(x, [self.get_variable("params", name)], contract, [shape],
-                                   None)
+                                   None, rows)
             if ys is not None:
                 return ys[0]
         w = self.weight(name, shape)

@@ -58,3 +58,72 @@ def test_fused_projections_compute_the_same_step(scan):
     for a, b in zip(want, got, strict=True):  # pools, logits, hidden
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-5)
     assert np.abs(np.asarray(got[1])).max() > 0.1  # the logits are not trivially equal
+
+
+# kernel-sized: every projection's inputs whole blocks of 32, its outputs whole panels of 32
+BLOCK_CFG = ModelConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
+                        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32)
+PROJECTIONS = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w_gate": 0, "w_up": 0, "w_down": 0}
+
+
+def as_blocks(rng, a: np.ndarray, axis: int) -> dict:
+    """Int8 codes in blocks of 32 along `axis` with a float32 scale each (kernels/quant.py)."""
+    q = rng.integers(-127, 128, a.shape).astype(np.int8)
+    scale_shape = list(a.shape)
+    scale_shape[axis] //= 32
+    scale = (0.02 * rng.random(scale_shape) + 0.001).astype(np.float32)
+    return {"q": q, "scale": scale, "min": np.zeros_like(scale)}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU block matmul kernel")
+def test_the_block_matmul_skips_a_steps_padding_rows():
+    """Padding rows after a step's real tokens go through no projection: they leave every layer
+    as they came in (the residual alone), while the real rows' numbers equal the unpadded
+    step's bit for bit. The plain dots, for contrast, compute every row."""
+    from jaxserve.kernels import cpu_matmul
+
+    if cpu_matmul.available():
+        pytest.skip(cpu_matmul.available())
+    rng = np.random.default_rng(3)
+    ids, md, rows = mixed_step()
+    k, v = (jnp.asarray(rng.standard_normal((BLOCK_CFG.num_layers, PAGES, BLOCK, 1, 32)),
+                        jnp.float32) for _ in range(2))
+    model = Transformer(BLOCK_CFG, jnp.float32, scan_layers=False,
+                        block_matmul=cpu_matmul.block_matmul_or_none)
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(0), ids, k, v, md,
+                                                 rows)["params"])
+    for i in range(BLOCK_CFG.num_layers):
+        layer = params[f"layers_{i}"]
+        for name, axis in PROJECTIONS.items():
+            layer[name] = as_blocks(rng, layer[name], axis)
+
+    pad = 4  # a padding sequence of no tokens and 4 padding rows, as step_inputs builds them
+    out_of_range = PAGES * BLOCK
+    padded_md = AttentionMetadata(
+        np.concatenate([md.positions, np.zeros(pad, np.int32)]),
+        np.concatenate([md.token_seq, np.zeros(pad, np.int32)]),
+        np.concatenate([md.slot_mapping, np.full(pad, out_of_range, np.int32)]),
+        np.concatenate([md.block_tables, np.zeros((1, 2), np.int32)]),
+        np.concatenate([md.context_lens, [0]]).astype(np.int32),
+        np.concatenate([md.query_start_loc, [6]]).astype(np.int32))
+    padded_ids = np.concatenate([ids, np.zeros(pad, np.int32)])
+
+    def run(block_matmul, ids, md):
+        m = Transformer(BLOCK_CFG, jnp.float32, scan_layers=False, block_matmul=block_matmul)
+        k2, v2, logits, hidden = m.apply({"params": params}, ids, k, v, md, rows)
+        return np.asarray(k2), np.asarray(logits), np.asarray(hidden)
+
+    k_real, logits_real, hidden_real = run(cpu_matmul.block_matmul_or_none, ids, md)
+    k_pad, logits_pad, hidden_pad = run(cpu_matmul.block_matmul_or_none, padded_ids, padded_md)
+    np.testing.assert_array_equal(k_pad, k_real)
+    np.testing.assert_array_equal(logits_pad, logits_real)
+    np.testing.assert_array_equal(hidden_pad[:6], hidden_real)
+
+    # A padding row's final hidden state is its embedding, normalized: no layer added to it.
+    embed = params["embed"][0]
+    norm = embed / np.sqrt(np.mean(embed ** 2) + BLOCK_CFG.rms_norm_eps)
+    untouched = norm * params["final_norm"]["weight"]
+    np.testing.assert_allclose(hidden_pad[6:], np.tile(untouched, (pad, 1)), rtol=1e-5,
+                               atol=1e-6)
+    _, _, hidden_dots = run(None, padded_ids, padded_md)
+    assert np.abs(hidden_dots[6:] - untouched).max() > 1e-2
