@@ -24,10 +24,13 @@ def make_engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**buckets_from_8(args)))
 
 
-def run_all(engine: LLMEngine) -> dict[str, object]:
+def run_all(engine: LLMEngine, step=None) -> dict[str, object]:
+    """Step until done (`step`: engine.step, or another stepping method of it); the finished
+    outputs by request id."""
+    step = step or engine.step
     done = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in step():
             if out.finished:
                 done[out.request_id] = out
     return done

@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -477,6 +478,9 @@ class LLMEngine:
         # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
         # "forward" and "sample" are also named scopes inside the compiled step.
         outputs = self.take_pending_outputs()
+        if not self.async_scheduling and self._in_flight is not None:  # step_overlapped's
+            outputs += self._complete(self._in_flight)
+            self._in_flight = None
         launched = self._launch()
         if self._in_flight is not None:
             outputs += self._complete(self._in_flight)
@@ -484,6 +488,34 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             self._in_flight = None
             outputs += self._complete(launched)
+        return self._finish_step(outputs)
+
+    def step_overlapped(self, before_launch: Callable[[], None] | None = None
+                        ) -> list[RequestOutput]:
+        """step() for a caller that hands the outputs on (the server's engine loop): complete
+        the step in flight, launch the next one with every token known (the same tokens and
+        rows as step()), then return the completed step's outputs, so that handing them on
+        overlaps the device's next step instead of delaying its launch. `before_launch` runs
+        between the two (the server applies new requests and aborts there). A step of prompts
+        alone returns before the next launch: its first tokens go out at once. Under
+        asynchronous scheduling this is step(), `before_launch` first."""
+        if self.async_scheduling:
+            if before_launch is not None:
+                before_launch()
+            return self.step()
+        outputs = self.take_pending_outputs()
+        done, self._in_flight = self._in_flight, None
+        if done is not None:
+            outputs += self._complete(done)
+            if all(s.is_prefill for s in done.sched.scheduled):
+                return self._finish_step(outputs)
+        if before_launch is not None:
+            before_launch()
+            outputs += self.take_pending_outputs()  # aborts it applied
+        self._in_flight = self._launch()
+        return self._finish_step(outputs)
+
+    def _finish_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         self.runner.flush_host_copies()  # land its spills (their gathers ran before the step)
         if self.stat_logger is not None and (line := self.stat_logger.poll(
                 self.metrics_snapshot)):

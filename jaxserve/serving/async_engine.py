@@ -196,8 +196,8 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                try:
-                    outputs = self.engine.step()
+                try:  # new requests and aborts join between a step's end and the next launch
+                    outputs = self.engine.step_overlapped(self._apply_commands)
                 except Exception as e:  # noqa: BLE001
                     logger.exception("engine step failed; failing the requests in flight")
                     self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")

@@ -1,6 +1,7 @@
-"""Asynchronous scheduling: step N+1 is launched before step N's tokens are read back. The
-tokens, logprobs and finish reasons must equal synchronous stepping's, also under preemption and
-aborts, and every KV block must come back."""
+"""Asynchronous scheduling: step N+1 is launched before step N's tokens are read back; and the
+server's overlapped steps (step_overlapped: step N+1 launched after step N's tokens are read,
+before they are handed on). The tokens, logprobs and finish reasons must equal synchronous
+stepping's, also under preemption and aborts, and every KV block must come back."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _workload(n: int = 12):
     return reqs
 
 
-def _run(path, async_scheduling: bool, reqs, **kw) -> tuple[dict, object]:
+def _run(path, async_scheduling: bool, reqs, overlapped: bool = False,
+         **kw) -> tuple[dict, object]:
     # A float32 pool: the tiny model's float weights go through XLA's own dots, whose last bit
     # may depend on the step's shape (a recomputed prefill chunk vs the decodes it replays); a
     # float16 pool (the CPU default) can round such a difference into the logprobs compared here.
@@ -35,7 +37,7 @@ def _run(path, async_scheduling: bool, reqs, **kw) -> tuple[dict, object]:
     engine = make_engine(path, async_scheduling=async_scheduling, **kw)
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt_token_ids=prompt, params=params)
-    done = run_all(engine)
+    done = run_all(engine, engine.step_overlapped if overlapped else engine.step)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.block_manager.check_integrity()
     return done, engine
@@ -92,4 +94,56 @@ def test_an_abort_while_a_step_is_in_flight(tiny_llama_dir, abort_at):
     assert done["r1"].outputs[0].finish_reason == "abort"
     assert aborted[0] == want["r1"][0][:len(aborted[0])]  # what it got before the abort is right
     assert got == {k: v for k, v in want.items() if k != "r1"}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_overlapped_steps_give_the_tokens_of_synchronous_stepping(tiny_llama_dir):
+    reqs = _workload(16)
+    want = _summary(_run(tiny_llama_dir, False, reqs)[0])
+    assert _summary(_run(tiny_llama_dir, False, reqs, overlapped=True)[0]) == want
+    for mode in ("recompute", "swap"):
+        got, engine = _run(tiny_llama_dir, False, reqs, overlapped=True, num_kv_blocks=12,
+                           preemption_mode=mode)
+        assert engine.scheduler.num_preemptions > 0, mode
+        assert _summary(got) == want, mode
+
+
+def test_an_overlapped_step_launches_the_next_before_handing_outputs_on(tiny_llama_dir):
+    """A call returns a decode step's tokens with the next step already launched, and what
+    before_launch did (a new request, an abort) is in that launch; a step of prompts alone
+    returns before any launch."""
+    reqs = _workload(4)
+    want = _summary(_run(tiny_llama_dir, False, reqs)[0])
+    engine = make_engine(tiny_llama_dir, async_scheduling=False, kv_cache_dtype="float32",
+                         enable_step_trace=True)
+    rid, prompt, params = reqs[0]
+    engine.add_request(rid, prompt_token_ids=prompt, params=params)
+    assert engine.step_overlapped() == []  # the prompt's step is launched, not yet done
+    first = engine.step_overlapped()  # prompts alone: returned, nothing launched after
+    assert [o.request_id for o in first] == [rid] and len(engine.step_trace) == 1
+    assert engine.step_overlapped() == []  # its first decode step is launched
+    calls = {"n": 0}
+    late_id, late_prompt, late_params = reqs[1]
+
+    def before_launch():
+        calls["n"] += 1
+        if calls["n"] == 1:  # joins the step launched by this very call
+            engine.add_request(late_id, prompt_token_ids=late_prompt, params=late_params)
+        if calls["n"] == 3:
+            assert engine.abort(late_id)
+
+    traced = len(engine.step_trace)
+    outs = engine.step_overlapped(before_launch)
+    assert [o.request_id for o in outs] == [rid] and outs[0].outputs[0].token_ids
+    # the decode step it completed is traced; the step it launched (with r1) is not yet
+    assert len(engine.step_trace) == traced + 1
+    assert late_id not in engine.step_trace[-1].request_ids
+    engine.step_overlapped(before_launch)
+    assert late_id in engine.step_trace[-1].request_ids  # launched in the call before
+    aborted = engine.step_overlapped(before_launch)
+    assert any(o.request_id == late_id and o.outputs[0].finish_reason == "abort"
+               for o in aborted)
+    done = run_all(engine, engine.step_overlapped)
+    assert all(late_id not in r.request_ids for r in engine.step_trace[traced + 3:])
+    assert _summary({rid: done[rid]})[rid] == want[rid]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
