@@ -203,6 +203,7 @@ def bench(num_running: int, steps: int, loaded, async_scheduling: bool = False,
     (with none, the whole loop)."""
     engine = make_engine(num_running, loaded, async_scheduling, device_ms / 1e3, decode_steps,
                          full_pool=workload == "decode")
+    llm_engine.settle_heap()  # as the server does once it has started
     work = _Workload(engine, num_running, workload)
     work.warm_up(warm_steps)  # reach a steady mix of decodes and prefill chunks
     engine.runner.idle.clear()

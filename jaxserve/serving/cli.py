@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import sys
@@ -15,6 +14,7 @@ import time
 
 from jaxserve.config import EngineConfig, add_options, from_options
 from jaxserve.engine import data_parallel
+from jaxserve.engine.llm_engine import settle_heap
 from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
 from jaxserve.runtime import distributed
 from jaxserve.runtime.distributed import DistributedConfig
@@ -106,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("process 0 stopped; exiting")
         distributed.leave(dist)
         return 0
-    # The model, tokenizer and programs live as long as the process: the collector's full
-    # passes, which stall a step, need not walk them again.
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     hooks = ()
     profiler = None
     if args.profile_dir:
