@@ -57,9 +57,8 @@ logger = logging.getLogger(__name__)
 def settle_heap() -> int:
     """Start-up is over (the server's, a benchmark's): collect once, then move every object
     alive (the model, the tokenizer, the programs, jax's own) out of the cyclic collector's
-    reach. Its full passes, which stall a step (~150 ms at 1,024 running sequences), then walk
-    only what serving makes. For a process that lives as long as its engine; returns the
-    objects frozen."""
+    reach. Its full passes, which stall a step, then walk only what serving makes. For a
+    process that lives as long as its engine; returns the objects frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
@@ -490,7 +489,7 @@ class LLMEngine:
         # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
         # "forward" and "sample" are also named scopes inside the compiled step.
         outputs = self.take_pending_outputs()
-        if not self.async_scheduling and self._in_flight is not None:  # step_overlapped's
+        if not self.async_scheduling and self._in_flight is not None:  # left by step_overlapped
             outputs += self._complete(self._in_flight)
             self._in_flight = None
         launched = self._launch()
