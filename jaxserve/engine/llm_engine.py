@@ -54,13 +54,21 @@ from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
 logger = logging.getLogger(__name__)
 
 
+# The cyclic collector's thresholds once start-up is over (settle_heap): a young pass every
+# this many container allocations, then CPython's counts of young passes per older one.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
 def settle_heap() -> int:
     """Start-up is over (the server's, a benchmark's): collect once, then move every object
     alive (the model, the tokenizer, the programs, jax's own) out of the cyclic collector's
-    reach. Its full passes, which stall a step, then walk only what serving makes. For a
-    process that lives as long as its engine; returns the objects frozen."""
+    reach, and let it run less often (GC_THRESHOLDS). A step makes and drops thousands of
+    small objects (its rows and outputs), which reference counting frees; at the default
+    thresholds a young pass ran several times a step, each walking the step's live rows.
+    For a process that lives as long as its engine; returns the objects frozen."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
     return gc.get_freeze_count()
 
 
@@ -344,6 +352,10 @@ class LLMEngine:
     def _check_vocab(self, name: str, token_ids) -> None:
         """Raise ValueError naming `name` unless every one of `token_ids` is a token id."""
         vocab = self.model_config.vocab_size
+        # the usual case, at C speed: plain ints, all in range
+        if (token_ids and set(map(type, token_ids)) == {int} and min(token_ids) >= 0
+                and max(token_ids) < vocab):
+            return
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
                 raise ValueError(f"{name}: token id {t!r} is outside the vocabulary "
@@ -365,7 +377,8 @@ class LLMEngine:
         else:
             ids = list(prompt_token_ids)
             self._check_vocab("prompt_token_ids", ids)
-            ids = [int(t) for t in ids]
+            if set(map(type, ids)) != {int}:
+                ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prompt must not be empty (no tokens)")
         return ids
@@ -567,10 +580,13 @@ class LLMEngine:
                 self._fail_seqs(sched.scheduled, e)
                 return None
             self.postprocessor.launched(sched.scheduled)
-        prompt = prompt_rows(sched.scheduled)
+        prompt = prompt_rows(sched.scheduled) if (inp.prompt_targets >= 0).any() else []
         for r in prompt:
             r.seq.prompt_logprobs_next = r.first + r.count
-        rows = {s.seq.request_id: i for i, s in enumerate(sched.scheduled) if s.samples}
+        # the rows the next step reads pending tokens from: only one launched before this
+        # step's tokens are back (asynchronous scheduling) has any
+        rows = ({s.seq.request_id: i for i, s in enumerate(sched.scheduled) if s.samples}
+                if self.async_scheduling else {})
         return _Launched(sched, inp, out, rows, prompt, t0)
 
     def run_copies(self, copies: list) -> None:
@@ -625,14 +641,16 @@ class LLMEngine:
                 self._pool(scheduled, result)
             updates = self.postprocessor.resolve(scheduled, result.rows(len(scheduled)), now,
                                                  result.logprob_entry if want_lp else None)
+            generated, parks = 0, self.config.role is Role.PREFILL
             for u in updates:
+                generated += len(u.new_token_ids)
                 if u.error is not None:
                     self.fail(u.seq.request_id, f"postprocessing its tokens failed: {u.error}")
                     continue
                 if u.finished:
                     self.metrics.record_finished(u.seq)
                     self.requests.pop(u.seq.request_id, None)
-                elif self.config.role is Role.PREFILL:  # its first token: hold it for a handover
+                elif parks:  # a prefill engine's: its first token, held for a handover
                     self.handover.park(u.seq)
                 elif u.seq.params.output_kind == "final_only":
                     continue
@@ -640,8 +658,7 @@ class LLMEngine:
         prefill = sum(s.num_tokens for s in scheduled if s.is_prefill)
         if self.speculator is not None:
             self._record_speculation(scheduled, result, prefill, now - step.t0)
-        self.metrics.record_step(now - step.t0, prefill,
-                                 sum(len(u.new_token_ids) for u in updates),
+        self.metrics.record_step(now - step.t0, prefill, generated,
                                  len(self.scheduler.running), len(self.scheduler.waiting),
                                  self.block_manager.num_used_blocks)
         if self.step_trace is not None:

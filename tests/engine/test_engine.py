@@ -310,26 +310,30 @@ def test_held_prefills_give_the_unheld_tokens_with_first_tokens_sooner(tiny_llam
 
 def test_settle_heap_takes_what_lives_out_of_the_collectors_walk():
     """Objects alive at start-up leave the collector's generations (a full pass no longer
-    walks them); what serving makes later is still collected, cycles included."""
+    walks them); the collector then runs less often, and what serving makes later is still
+    collected on its own, cycles included."""
     import gc
     import weakref
 
-    from jaxserve.engine.llm_engine import settle_heap
+    from jaxserve.engine.llm_engine import GC_THRESHOLDS, settle_heap
 
     class Node:
         pass
 
+    thresholds = gc.get_threshold()
     try:
         kept = Node()
         kept.self = kept  # a cycle alive at start-up
         frozen = settle_heap()
         assert frozen == gc.get_freeze_count() > 0
         assert not any(o is kept for o in gc.get_objects())  # out of every generation
+        assert gc.get_threshold() == GC_THRESHOLDS != thresholds
         later = Node()
         later.self = later
         ref = weakref.ref(later)
         del later
-        gc.collect()
-        assert ref() is None
+        made = [[] for _ in range(2 * GC_THRESHOLDS[0])]  # past a young pass's threshold
+        assert ref() is None and len(made) == 2 * GC_THRESHOLDS[0]
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
