@@ -293,13 +293,13 @@ class Scheduler:
                 if not self._make_room(seq, start + 1, scheduled_ids, out):
                     continue
                 self._allocate(seq, start + 1, out)
-            drafts = plans.get(seq.request_id)
+            drafts = plans.get(seq.request_id) if plans else None
             if drafts:  # its proposals' slots, from free blocks only (no one is preempted)
                 drafts = drafts[:max(0, budget - 1)]
                 if not bm.can_allocate(seq, start + 1 + len(drafts)):
                     drafts = drafts[:len(seq.block_table) * block_size - start - 1]
                 self._allocate(seq, start + 1 + len(drafts), out)
-            n = 1 + len(drafts or ())
+            n = 1 + len(drafts) if drafts else 1
             out.scheduled.append(ScheduledSeq(seq, start, n, True, False, drafts or None))
             scheduled_ids.add(seq.request_id)
             budget -= n

@@ -52,12 +52,15 @@ class Postprocessor:
         """The step is on the device: its tokens count as computed (full blocks join the prefix
         cache), and every row that samples has a token pending, so the next schedule can run
         before this step's tokens are back."""
-        commit = self.scheduler.block_manager.commit
+        bm = self.scheduler.block_manager
+        commit, block_size = bm.commit, bm.block_size
         for s in scheduled:
-            s.seq.num_computed_tokens = s.end
-            commit(s.seq)
+            seq = s.seq
+            end = seq.num_computed_tokens = s.end
+            if end // block_size > seq.num_cached_blocks:  # commit's own first test
+                commit(seq)
             if s.samples:
-                s.seq.add_pending(s.num_steps)
+                seq.add_pending(s.num_steps)
 
     def resolve(self, scheduled: list[ScheduledSeq], tokens: Seq[Seq[int]], now: float,
                 logprobs: LogprobFn | None = None) -> list[SeqUpdate]:

@@ -101,14 +101,45 @@ def build_step_inputs(
     block tables are (G, S, MB) and the slots (G, T), a table and a slot per group."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
-    ns = np.array([s.num_tokens for s in scheduled], np.int32)
-    starts = np.array([s.start for s in scheduled], np.int32)
-    num_tokens = int(ns.sum())
+    # This runs on the host every step while the device waits: one Python pass over the
+    # sequences gathers what each row needs; the per-token rows (positions, owners, slots)
+    # and the per-sequence constants (gathered from the rows kept between steps) are numpy.
+    ns_l, starts_l, steps_l, samples_l, ids = [], [], [], [], []
+    pending, drafted, processed = [], [], []  # (row, its prev row), rows that propose, (row, seq)
+    most_blocks, want_logprobs, plainly, scores_prompt = 0, False, True, False
+    for i, s in enumerate(scheduled):
+        seq, n, start = s.seq, s.num_tokens, s.start
+        ns_l.append(n)
+        starts_l.append(start)
+        steps_l.append(seq.num_tokens - len(seq.prompt_token_ids))  # seq.num_sampled
+        samples_l.append(s.samples)
+        if len(seq.block_table) > most_blocks:
+            most_blocks = len(seq.block_table)
+        if s.samples:
+            want_logprobs = want_logprobs or seq.params.logprobs is not None
+            plainly = plainly and seq.samples_plainly
+            if seq.logits_state is not None:
+                processed.append((i, seq))
+        if seq.prompt_logprobs is not None:
+            scores_prompt = True
+        if n == 1 or s.drafts:  # a decode: its last token, then any proposals
+            token = seq.token_at(start)
+            if token == PENDING:  # the device has it: this row reads it from the last step
+                pending.append((i, prev_rows[seq.request_id]))
+                token = 0
+            ids.append(token)
+            if s.drafts:
+                ids.extend(s.drafts)
+                drafted.append(i)
+        else:  # a prompt chunk (or a recompute): every token is on the host
+            ids.extend(seq.tokens(start, start + n))
+    ns = np.array(ns_l, np.int32)
+    starts = np.array(starts_l, np.int32)
+    num_tokens = sum(ns_l)
     t_pad = pick_bucket(tok_b, num_tokens, "tokens in step")
     s_pad = seq_bucket(seq_b, t_pad, num_seqs, slots)
-    mb_pad = pick_bucket(blk_b, max([len(s.seq.block_table) for s in scheduled]),
-                         "blocks per seq")
-    if not any([s.drafts for s in scheduled]):
+    mb_pad = pick_bucket(blk_b, most_blocks, "blocks per seq")
+    if not drafted:
         spec_k = 0
 
     input_ids = np.zeros(t_pad, np.int32)
@@ -128,9 +159,6 @@ def build_step_inputs(
     steps = np.zeros(s_pad, np.int32)
     samples = np.zeros(s_pad, bool)
 
-    # This runs on the host every step while the device waits: Python touches each sequence
-    # in a few list comprehensions; the per-token rows (positions, owners, slots) and the
-    # per-sequence constants (gathered from the rows kept between steps) come from numpy.
     qsl = np.zeros(num_seqs + 1, np.int32)
     np.cumsum(ns, out=qsl[1:])
     query_start_loc[:num_seqs] = qsl[:-1]
@@ -149,44 +177,34 @@ def build_step_inputs(
     token_seq[:num_tokens] = seq_of_row
     slot_mapping[..., :num_tokens] = (block_tables[..., seq_of_row, pos // block_size]
                                       * block_size + pos % block_size)
-    ids: list[int] = []
-    from_prev = np.full(t_pad, -1, np.int32)
-    spec = empty_spec_inputs(s_pad, spec_k, logits_shape.mask_words)
-    constrained_drafts = []  # (row, sequence, proposals) whose grammar masks the proposals
-    spec.verify_rows[:num_seqs] = logits_indices[:num_seqs, None]  # a row without proposals
-    for i, s in enumerate(scheduled):
-        if s.num_tokens == 1 or s.drafts:  # a decode: its last token, then any proposals
-            token = s.seq.token_at(s.start)
-            if token == PENDING:  # the device has it: row qsl[i] reads it from the last step
-                from_prev[qsl[i]] = prev_rows[s.seq.request_id]
-                token = 0
-            ids.append(token)
-            if s.drafts:
-                nd = len(s.drafts)
-                ids.extend(s.drafts)
-                spec.draft_tokens[i, :nd] = s.drafts
-                spec.num_drafts[i] = nd
-                spec.verify_rows[i] = qsl[i] + np.minimum(np.arange(spec_k + 1), nd)
-                if s.seq.logits_state is not None:  # a grammar's (the only processing)
-                    constrained_drafts.append((i, s.seq, s.drafts))
-        else:  # a prompt chunk (or a recompute): every token is on the host
-            ids.extend(s.seq.tokens(s.start, s.start + s.num_tokens))
     input_ids[:num_tokens] = ids
-    if constrained_drafts:
-        mask = np.full(spec.mask.shape, -1, np.int32)
-        constrained_drafts[0][1].logits_state.fill_proposal_masks(constrained_drafts, mask)
-        spec = dataclasses.replace(spec, mask=mask, masked=np.bool_(True))
+    from_prev = np.full(t_pad, -1, np.int32)
+    for i, prev in pending:
+        from_prev[qsl[i]] = prev
+    spec = empty_spec_inputs(s_pad, spec_k, logits_shape.mask_words)
+    spec.verify_rows[:num_seqs] = logits_indices[:num_seqs, None]  # a row without proposals
+    if drafted:
+        constrained_drafts = []  # (row, sequence, proposals) whose grammar masks the proposals
+        for i in drafted:
+            s = scheduled[i]
+            nd = len(s.drafts)
+            spec.draft_tokens[i, :nd] = s.drafts
+            spec.num_drafts[i] = nd
+            spec.verify_rows[i] = qsl[i] + np.minimum(np.arange(spec_k + 1), nd)
+            if s.seq.logits_state is not None:  # a grammar's (the only processing)
+                constrained_drafts.append((i, s.seq, s.drafts))
+        if constrained_drafts:
+            mask = np.full(spec.mask.shape, -1, np.int32)
+            constrained_drafts[0][1].logits_state.fill_proposal_masks(constrained_drafts, mask)
+            spec = dataclasses.replace(spec, mask=mask, masked=np.bool_(True))
     prompt_targets = np.full(t_pad, -1, np.int32)
-    for r in prompt_rows(scheduled):
+    for r in prompt_rows(scheduled) if scores_prompt else ():
         prompt_targets[r.row:r.row + r.count] = r.seq.prompt_token_ids[r.first:r.first + r.count]
-    steps[:num_seqs] = [s.seq.num_sampled for s in scheduled]
-    samples[:num_seqs] = [s.samples for s in scheduled]
-    want_logprobs = any(s.samples and s.seq.params.logprobs is not None for s in scheduled)
-    processed = [(i, s.seq) for i, s in enumerate(scheduled)
-                 if s.samples and s.seq.logits_state is not None]
+    steps[:num_seqs] = steps_l
+    samples[:num_seqs] = samples_l
     processing = logits_processing.build(processed, logits_shape, s_pad)
-    plain = (plain_programs and spec_k == 0 and not (prompt_targets >= 0).any()
-             and all(s.seq.samples_plainly for s in scheduled if s.samples))
+    plain = (plain_programs and spec_k == 0 and plainly
+             and not (scores_prompt and (prompt_targets >= 0).any()))
 
     return StepInputs(
         input_ids=input_ids,
