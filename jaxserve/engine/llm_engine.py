@@ -349,17 +349,19 @@ class LLMEngine:
             raise ValueError("structured_outputs: this model has no tokenizer")
         return self.grammars.matcher(params.structured_outputs)
 
-    def _check_vocab(self, name: str, token_ids) -> None:
-        """Raise ValueError naming `name` unless every one of `token_ids` is a token id."""
+    def _check_vocab(self, name: str, token_ids) -> bool:
+        """Raise ValueError naming `name` unless every one of `token_ids` is a token id; returns
+        whether all of them are plain ints already (else some are numpy integers)."""
         vocab = self.model_config.vocab_size
         # the usual case, at C speed: plain ints, all in range
         if (token_ids and set(map(type, token_ids)) == {int} and min(token_ids) >= 0
                 and max(token_ids) < vocab):
-            return
+            return True
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
                 raise ValueError(f"{name}: token id {t!r} is outside the vocabulary "
                                  f"[0, {vocab})")
+        return False
 
     def prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
         """The token ids a request runs (its prompt tokenized, or its ids checked); raises
@@ -376,8 +378,7 @@ class LLMEngine:
             ids = self.tokenizer(prompt).input_ids
         else:
             ids = list(prompt_token_ids)
-            self._check_vocab("prompt_token_ids", ids)
-            if set(map(type, ids)) != {int}:
+            if not self._check_vocab("prompt_token_ids", ids):
                 ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prompt must not be empty (no tokens)")

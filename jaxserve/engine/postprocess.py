@@ -52,13 +52,11 @@ class Postprocessor:
         """The step is on the device: its tokens count as computed (full blocks join the prefix
         cache), and every row that samples has a token pending, so the next schedule can run
         before this step's tokens are back."""
-        bm = self.scheduler.block_manager
-        commit, block_size = bm.commit, bm.block_size
+        commit = self.scheduler.block_manager.commit
         for s in scheduled:
             seq = s.seq
-            end = seq.num_computed_tokens = s.end
-            if end // block_size > seq.num_cached_blocks:  # commit's own first test
-                commit(seq)
+            seq.num_computed_tokens = s.end
+            commit(seq)
             if s.samples:
                 seq.add_pending(s.num_steps)
 

@@ -111,7 +111,7 @@ def build_step_inputs(
         seq, n, start = s.seq, s.num_tokens, s.start
         ns_l.append(n)
         starts_l.append(start)
-        steps_l.append(seq.num_tokens - len(seq.prompt_token_ids))  # seq.num_sampled
+        steps_l.append(seq.num_sampled)
         samples_l.append(s.samples)
         if len(seq.block_table) > most_blocks:
             most_blocks = len(seq.block_table)
