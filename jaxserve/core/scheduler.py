@@ -271,7 +271,6 @@ class Scheduler:
             (decodes if s.is_decoding else partial).append(s)
         if not num_priority_preemptions:  # else the slot freed goes to the one it was for
             partial += [s for s in self.held if not s.is_decoding]
-        scheduled_ids: set[str] = set()
         block_size = bm.block_size
         running = SequenceStatus.RUNNING
         plans = self._speculate(decodes, partial, budget) if self.speculator else {}
@@ -290,7 +289,7 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             if start >= len(seq.block_table) * block_size:
-                if not self._make_room(seq, start + 1, scheduled_ids, out):
+                if not self._make_room(seq, start + 1, out):
                     continue
                 self._allocate(seq, start + 1, out)
             drafts = plans.get(seq.request_id) if plans else None
@@ -301,10 +300,9 @@ class Scheduler:
                 self._allocate(seq, start + 1 + len(drafts), out)
             n = 1 + len(drafts) if drafts else 1
             out.scheduled.append(ScheduledSeq(seq, start, n, True, False, drafts or None))
-            scheduled_ids.add(seq.request_id)
             budget -= n
         if cfg.ttft_target_s is not None and self.waiting and budget > 0 and not out.preempted:
-            budget = self._admit(self._overdue(now), budget, now, scheduled_ids, out)
+            budget = self._admit(self._overdue(now), budget, now, out)
         budget = self._fit_bucket(cfg.max_num_batched_tokens - budget, budget, partial)
         for seq in partial:
             if seq.status not in (SequenceStatus.RUNNING, SequenceStatus.HELD):
@@ -312,22 +310,21 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled_ids, out):
+            if not self._make_room(seq, seq.num_computed_tokens + n, out):
                 continue  # seq itself was preempted
             self._allocate(seq, seq.num_computed_tokens + n, out)
             out.scheduled.append(ScheduledSeq.of(seq, n))
-            scheduled_ids.add(seq.request_id)
             budget -= n
 
         if len(out.preempted) > num_priority_preemptions:
             return out  # memory is short for the running ones: admit nothing new this step
-        self._admit(self._admission_order(now), budget, now, scheduled_ids, out)
+        self._admit(self._admission_order(now), budget, now, out)
         if cfg.decode_steps > 1:
             self._run_ahead(out, len(self.running) - num_finishing)
         return out
 
     def _admit(self, candidates: list[Sequence], budget: int, now: float,
-               scheduled_ids: set[str], out: SchedulerOutput) -> int:
+               out: SchedulerOutput) -> int:
         """Admit `candidates` in order, as decode slots, held slots, tokens and blocks last;
         the budget left."""
         cfg, bm = self.config, self.block_manager
@@ -372,7 +369,6 @@ class Scheduler:
             seq.status = SequenceStatus.HELD if held else SequenceStatus.RUNNING
             (self.held if held else self.running).append(seq)
             out.scheduled.append(ScheduledSeq.of(seq, n))
-            scheduled_ids.add(seq.request_id)
             budget -= n
         return budget
 
@@ -569,15 +565,17 @@ class Scheduler:
             n = n // align * align  # a prompt's last chunk keeps its odd size
         return n
 
-    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
-                   out: SchedulerOutput) -> bool:
-        """Preempt until `seq` can hold `num_tokens`, held sequences first; False if `seq`
-        itself had to go."""
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt until `seq` can hold `num_tokens`, held sequences first, never one this
+        step has scheduled already; False if `seq` itself had to go."""
         bm = self.block_manager
+        if bm.can_allocate(seq, num_tokens):
+            return True
         now = self.clock()
+        taken = {s.seq for s in out.scheduled}
         while not bm.can_allocate(seq, num_tokens):
-            candidates = ([s for s in self.held if s.request_id not in scheduled_ids]
-                          or [s for s in self.running if s.request_id not in scheduled_ids])
+            candidates = ([s for s in self.held if s not in taken]
+                          or [s for s in self.running if s not in taken])
             victim = max(candidates, key=lambda s: self._key(s, now))
             self._preempt(victim, out)
             if victim is seq:
