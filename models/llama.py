@@ -288,7 +288,8 @@ def fuse_projections(params: dict, scan_layers: bool) -> dict:
             ws = [layer.get(n) for n in names]
             if any(w is None or is_quantized(w) for w in ws):
                 continue
-            out[name] = np.concatenate([np.asarray(w) for w in ws], axis=1 + stacked)
+            xp = jnp if any(isinstance(w, jax.Array) for w in ws) else np  # traced: jnp
+            out[name] = xp.concatenate([xp.asarray(w) for w in ws], axis=1 + stacked)
             for n in names:
                 del out[n]
         return out

@@ -40,6 +40,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxserve.bench.gpu_cost import SMOLLM2  # noqa: E402
 from jaxserve.config import LayerLoop  # noqa: E402
 from jaxserve.kernels.attention import registry, selftest  # noqa: E402
 from jaxserve.kernels.attention.base import AttentionBackend  # noqa: E402
@@ -49,11 +50,7 @@ PEAK_HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 3.0e1
 SECTIONS = ("selftest", "correctness", "kernels", "engine")
 BACKENDS = [b for b in AttentionBackend if b is not AttentionBackend.AUTO]
 DTYPES = ("float32", "bfloat16", "float16")
-# SmolLM2-135M (the default model): a Llama of 30 layers, 9 query / 3 kv heads of 64.
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-               rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-               bos_token_id=1, eos_token_id=2)
+# SMOLLM2: the default model's shapes (30 layers, 9 query / 3 kv heads of 64); TINY: --dry-run's
 TINY = SMOLLM2 | dict(vocab_size=1024, hidden_size=192, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1)
 

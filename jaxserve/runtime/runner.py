@@ -30,7 +30,7 @@ from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.kernels import cpu_matmul, quant
 from jaxserve.kernels.attention import registry
-from jaxserve.kernels.attention.base import AttentionBackend
+from jaxserve.kernels.attention.base import AttentionBackend, platform_of
 from jaxserve.kernels.attention.choose import choose_attention
 from jaxserve.kernels.attention.selftest import describe_error
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
@@ -111,10 +111,19 @@ class _ProgramError(Exception):
         self.program, self.error = program, error
 
 
-def resolve_dtype(name: str):
+def resolve_dtype(name: str, platform: str | None = None):
+    """A dtype option's dtype; auto: float32 on a CPU, bfloat16 elsewhere (`platform`: the
+    step's device's, default JAX's)."""
     if name == "auto":
-        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        name = "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
     return jnp.dtype(name)
+
+
+def abstract(tree, sharding):
+    """`tree`'s arrays as ShapeDtypeStructs placed on `sharding`: what a deviceless runner
+    holds instead of device buffers."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        tree)
 
 
 def auto_kv_dtype(dtype, backend: AttentionBackend):
@@ -202,21 +211,34 @@ class Pooled:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
-                 devices: list[jax.Device] | None = None, draft: LoadedModel | None = None):
+                 devices: list[jax.Device] | None = None, draft: LoadedModel | None = None,
+                 deviceless: bool = False):
         """`devices`: the tensor_parallel_size devices this runner's model and pool live on
         (default: the first ones; a data-parallel replica gets its own group). `draft`: the
-        draft model of speculative_method="draft_model" (runtime/speculative.py)."""
+        draft model of speculative_method="draft_model" (runtime/speculative.py).
+        `deviceless`: `devices` are compile-only (a GPU target description's, jax.experimental
+        .topologies) and `loaded`'s params may be ShapeDtypeStructs: the runner holds no
+        buffers, builds its programs with `compile_program` and runs none."""
         self.config = config
-        self.compilation_cache_dir = compile_cache.enable(config.compilation_cache_dir)
-        self.dtype = resolve_dtype(config.dtype)
-        asked = None if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype)
+        self.deviceless = deviceless
+        if deviceless and (not devices or config.tensor_parallel_size
+                           * config.expert_parallel_size > 1 or draft is not None):
+            raise ValueError("deviceless: one compile-only device, no tensor or expert "
+                             "parallelism, no draft model")
+        target = devices[0] if deviceless else None
+        self.compilation_cache_dir = (None if deviceless
+                                      else compile_cache.enable(config.compilation_cache_dir))
+        platform = None if target is None else platform_of(target)
+        self.dtype = resolve_dtype(config.dtype, platform)
+        asked = (None if config.kv_cache_dtype == "auto"
+                 else resolve_dtype(config.kv_cache_dtype, platform))
         lc = loaded.config
         # auto: a self-test on the device picks the backend (kernels/attention/selftest.py), and
         # names the one a step program that fails to compile for the kernel's sake falls back to.
         self.attention = choose_attention(
             config.attention_backend, kv_heads=lc.num_kv_heads, dtype=self.dtype,
             head_dim=lc.head_dim, groups=lc.num_heads // lc.num_kv_heads,
-            block_size=config.block_size,
+            block_size=config.block_size, device=target,
             kv_dtype=None if asked is None or asked == self.dtype else asked)
         self.kv_dtype = (asked if asked is not None
                          else auto_kv_dtype(self.dtype, self.attention.backend))
@@ -267,10 +289,13 @@ class ModelRunner:
                 blocks = head_blocks(cfg, p)
                 if blocks is not None:
                     p = {**p, HEAD_BLOCKS: cpu_matmul.pack(blocks)}
-            return jax.tree.map(lambda a: a if quant.is_quantized(a) else np.asarray(a, self.dtype),
-                                p, is_leaf=quant.is_quantized)
+            return jax.tree.map(lambda a: a if quant.is_quantized(a) else
+                                jnp.asarray(a, self.dtype) if isinstance(a, jax.Array) else
+                                np.asarray(a, self.dtype), p, is_leaf=quant.is_quantized)
 
-        params = as_step_params(mc, params)
+        # deviceless: the same conversions, traced on the params' shapes alone
+        params = (jax.eval_shape(functools.partial(as_step_params, mc), params) if deviceless
+                  else as_step_params(mc, params))
         self.draft_config = self._check_draft(config, loaded, draft)
         self.kv_layout = plan_kv_layout(config, mc, draft is not None)
         self.block_size = config.block_size
@@ -285,7 +310,14 @@ class ModelRunner:
                            if config.num_kv_blocks else max(1, pool_bytes(
                                config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
                                self.devices[0]) // (per_block // tp)))
-        if self.mesh is None:  # committed to its device: the jitted step runs where they live
+        if deviceless:
+            rep = jax.sharding.SingleDeviceSharding(self.devices[0])
+            self.params = abstract(params, rep)
+            self.kv = abstract(jax.eval_shape(functools.partial(
+                KVCache.create, mc, self.num_blocks, self.block_size, self.kv_dtype, None,
+                self.kv_layout.rows)), rep)
+            self._jit_kw = {}
+        elif self.mesh is None:  # committed to its device: the jitted step runs where they live
             rep = jax.sharding.SingleDeviceSharding(self.devices[0])
             self.params = jax.device_put(params, rep)
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype, rep,
@@ -331,7 +363,7 @@ class ModelRunner:
         # pool freeing window blocks has not: Scheduler.host_tier).
         tier = config.enable_prefix_caching and not self.kv_layout.frees
         swap = config.preemption_mode is PreemptionMode.SWAP
-        uses_host = (swap or tier) and not self.multiprocess
+        uses_host = (swap or tier) and not self.multiprocess and not deviceless
         self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
         self.host_pool = (HostSwapPool(self.pools, self.num_host_blocks, self.num_blocks)
                           if self.num_host_blocks else None)
@@ -340,7 +372,9 @@ class ModelRunner:
                                                           config.max_model_len)
         self._replicated = rep  # where the step's small inputs live
         self._unused: dict[int, logits_processing.LogitsInputs] = {}
-        self._last_tokens = jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep)
+        self._last_tokens = (abstract(jax.ShapeDtypeStruct((max(self.buckets[1]),), jnp.int32),
+                                      rep) if deviceless
+                             else jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep))
         self._make_step()
         self.num_compiles = 0  # programs lowered and compiled (XLA's own cache may serve those)
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
@@ -586,8 +620,15 @@ class ModelRunner:
                                  self.kv_layout.num_groups)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
-        return self._jitted.lower(self.step_params, self.pools, self._last_tokens,
-                                  self._dummy_inputs(program))
+        inputs = self._dummy_inputs(program)
+        if self.deviceless:
+            inputs = abstract(inputs, self._replicated)
+        return self._jitted.lower(self.step_params, self.pools, self._last_tokens, inputs)
+
+    def compile_program(self, program: Program) -> jax.stages.Compiled:
+        """Lower and compile `program` afresh (no cache): a deviceless runner's way to see
+        the programs the engine would run on its target."""
+        return self._lower(program).compile()
 
     def _compile(self, program: Program) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:

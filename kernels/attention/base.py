@@ -62,16 +62,27 @@ class Backend(abc.ABC):
     table_width_free: ClassVar[bool] = False
 
     def unavailable(self, *, dtype=None, head_dim: int | None = None, groups: int | None = None,
-                    block_size: int | None = None, kv_dtype=None) -> str | None:
+                    block_size: int | None = None, kv_dtype=None, device=None) -> str | None:
         """Why the backend cannot run here for a model of these shapes, or None. A shape left
         None is not asked about. `dtype`: the model's; `groups`: query heads per kv head;
-        `kv_dtype`: the KV pool's, where kv_cache_dtype makes it other than `dtype`. This
-        default is plain jnp's answer: it runs anywhere, in q's dtype whatever the pool's."""
+        `kv_dtype`: the KV pool's, where kv_cache_dtype makes it other than `dtype`;
+        `device`: the device the step is compiled for (default: JAX's first), which may be a
+        compile-only one of a GPU target description. This default is plain jnp's answer: it
+        runs anywhere, in q's dtype whatever the pool's."""
         return None
 
     @abc.abstractmethod
     def fn(self) -> AttentionFn:
         """The attention function (whether it can run is `unavailable`'s answer, not this)."""
+
+
+def platform_of(device=None) -> str:
+    """The JAX platform `device` belongs to ("gpu" for CUDA), default JAX's own."""
+    import jax  # here, not at the top: config imports this module without jax
+
+    if device is None:
+        return jax.default_backend()
+    return "gpu" if device.platform in ("cuda", "rocm") else device.platform
 
 
 def pool_of_model_dtype(dtype, kv_dtype) -> str | None:

@@ -37,10 +37,13 @@ class Choice:
     selftest: selftest.SelfTest | None = None
 
 
-def choose_attention(name: str | AttentionBackend, *, kv_heads: int = 2, **shapes) -> Choice:
+def choose_attention(name: str | AttentionBackend, *, kv_heads: int = 2, device=None,
+                     **shapes) -> Choice:
     """Resolve `name` (auto included) for a model of these shapes; fail now, not mid-request.
     `shapes`: the model's dtype, head_dim, groups (query heads per kv head), block_size and
-    kv_dtype (see `Backend.unavailable`); `kv_heads` sizes the self-test's batches."""
+    kv_dtype (see `Backend.unavailable`); `kv_heads` sizes the self-test's batches. `device`:
+    a compile-only device (a GPU target description's) the step is built for without running;
+    a backend must then be named, since auto's self-test runs on the device."""
     try:
         name = AttentionBackend(name)
     except ValueError:
@@ -48,10 +51,13 @@ def choose_attention(name: str | AttentionBackend, *, kv_heads: int = 2, **shape
                          f"{', '.join(b.value for b in AttentionBackend)}; got {name!r}") from None
     if name is not AttentionBackend.AUTO:
         backend = get_backend(name)
-        why = backend.unavailable(**shapes)
+        why = backend.unavailable(device=device, **shapes)
         if why:
             raise ValueError(f"attention_backend {name.value!r} cannot run here: {why}")
         return Choice(name, backend.fn())
+    if device is not None:
+        raise ValueError("attention_backend auto self-tests the backends on the device; a "
+                         "program compiled without one needs a backend named (mosaic, xla, ...)")
     platform = jax.default_backend()
     candidates = selftest.CANDIDATES.get(platform)
     if candidates is None:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.attention.base import NO_WINDOW, AttentionBackend, Backend
+from jaxserve.kernels.attention.base import NO_WINDOW, AttentionBackend, Backend, platform_of
 from jaxserve.kernels.attention.metadata import AttentionMetadata, check_attention_inputs
 from jaxserve.kernels.cpu_library import library
 
@@ -75,7 +75,10 @@ class CpuBackend(Backend):
     name = AttentionBackend.CPU
     table_width_free = True  # it walks each row's pages up to its position
 
-    def unavailable(self, *, dtype=None, head_dim=None, groups=None, kv_dtype=None, **_):
+    def unavailable(self, *, dtype=None, head_dim=None, groups=None, kv_dtype=None, device=None,
+                    **_):
+        if device is not None and platform_of(device) != "cpu":
+            return f"it runs on CPUs; the step is compiled for {platform_of(device)!r}"
         if dtype is not None and jnp.dtype(dtype) != jnp.float32:
             return f"it reads float32 pages; the model's dtype is {jnp.dtype(dtype).name}"
         if groups is not None and groups > MAX_GROUPS:

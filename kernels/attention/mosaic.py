@@ -57,6 +57,7 @@ from jaxserve.kernels.attention.base import (
     NO_WINDOW,
     AttentionBackend,
     Backend,
+    platform_of,
     pool_of_model_dtype,
 )
 from jaxserve.kernels.attention.metadata import (
@@ -299,11 +300,11 @@ def ragged_paged_attention_mosaic(
     return unfold_tiles(out, md, tokens, groups)
 
 
-def _not_hopper() -> str | None:
-    platform = jax.default_backend()
+def _not_hopper(device=None) -> str | None:
+    platform = platform_of(device)
     if platform != "gpu":
         return f"it needs a Hopper GPU (sm_90a); the JAX platform here is {platform!r}"
-    capability = getattr(jax.devices()[0], "compute_capability", "")
+    capability = getattr(device or jax.devices()[0], "compute_capability", "")
     if not capability.startswith("9."):
         return f"it needs a Hopper GPU (sm_90a); this device's compute capability is {capability!r}"
     return None
@@ -313,8 +314,8 @@ class MosaicBackend(Backend):
     name = AttentionBackend.MOSAIC
 
     def unavailable(self, *, dtype=None, head_dim=None, groups=None, block_size=None,
-                    kv_dtype=None):
-        why = pool_of_model_dtype(dtype, kv_dtype) or _not_hopper()
+                    kv_dtype=None, device=None):
+        why = pool_of_model_dtype(dtype, kv_dtype) or _not_hopper(device)
         if why is None and IMPORT_ERROR is not None:
             why = f"this JAX has no Pallas Mosaic GPU backend ({IMPORT_ERROR})"
         if why is None and None not in (dtype, head_dim, groups, block_size):

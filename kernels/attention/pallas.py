@@ -29,6 +29,7 @@ from jaxserve.kernels.attention.base import (
     NO_WINDOW,
     AttentionBackend,
     Backend,
+    platform_of,
     pool_of_model_dtype,
 )
 from jaxserve.kernels.attention.metadata import (
@@ -175,8 +176,8 @@ def ragged_paged_attention(
 class PallasBackend(Backend):
     name = AttentionBackend.PALLAS
 
-    def unavailable(self, *, dtype=None, kv_dtype=None, **_):
-        platform = jax.default_backend()
+    def unavailable(self, *, dtype=None, kv_dtype=None, device=None, **_):
+        platform = platform_of(device)
         if platform not in ("gpu", "cpu"):
             lowering = f"Pallas' Triton lowering cannot run on platform {platform!r}"
         elif IMPORT_ERROR is not None:

@@ -22,6 +22,7 @@ from jaxserve.kernels.attention.base import (
     NO_WINDOW,
     AttentionBackend,
     Backend,
+    platform_of,
     pool_of_model_dtype,
 )
 from jaxserve.kernels.attention.metadata import (
@@ -189,8 +190,8 @@ def ragged_paged_attention_triton(
 class TritonBackend(Backend):
     name = AttentionBackend.TRITON
 
-    def unavailable(self, *, dtype=None, kv_dtype=None, **_):
-        platform = jax.default_backend()
+    def unavailable(self, *, dtype=None, kv_dtype=None, device=None, **_):
+        platform = platform_of(device)
         if IMPORT_ERROR is not None:
             missing = f"jax-triton/triton are not installed ({IMPORT_ERROR}); pip install '.[gpu]'"
         elif platform != "gpu":

@@ -1,0 +1,532 @@
+"""What a step program costs on a GPU, read from its compiled form on a machine without one.
+
+XLA:GPU compiles for a target description (jax.experimental.topologies) with no device: the
+optimized HLO and the launch list (the thunk sequence XLA dumps, with the command buffers,
+i.e. CUDA graphs, it built) are the program a GPU would run. From them:
+
+- **launches**: kernels (and copies, library calls) per call, loop bodies times their trip
+  counts, split into those inside command buffers and those launched one by one; the command
+  buffers run; the host syncs (a while loop outside a graph reads its condition back at every
+  trip, a conditional its predicate).
+- **HBM bytes**: each kernel's operands and results, once per run. A fusion's parameter that
+  it only slices or gathers from is charged what it takes; an in-place update (a scatter or
+  dynamic-update-slice root) the update it writes; a custom call (the attention kernel) its
+  operands, the KV pool charged the pages the step's context reads. Left out: caches (L2
+  hits count as HBM traffic), re-reads inside a kernel (a matmul's tiles), and the bytes of
+  work a loop skips (an early-exiting loop counts every trip).
+- **floor**: the weights read once plus the KV the step's context reads, once.
+- **predicted**: bytes at the target's bandwidth, plus stated costs for each launch outside a
+  graph, each graph launched and each host sync. A model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import pathlib
+import re
+from collections import Counter, defaultdict
+
+# Per-event costs of the prediction (microseconds): issuing one kernel outside a graph, one
+# graph launch, one round trip to read a predicate back. Rough Hopper figures, to calibrate.
+LAUNCH_US = 3.0
+GRAPH_US = 5.0
+SYNC_US = 10.0
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+               "token": 0}
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-#]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_CALLS = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)"
+                    r"=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                   "after-all", "opt-barrier", "partition-id", "replica-id", "async-done",
+                   "copy-done", "add-dependency", "iota"})  # iota outside fusions is rare
+_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # root opcode -> its update operand
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of every array in an HLO shape string (a tuple's elements summed)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        size = DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+        total += size * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    args: str  # the text between the opcode's parentheses
+    attrs: str
+    root: bool
+
+
+def _split_args(rest: str) -> tuple[str, str]:
+    """An instruction's text after its opcode's '(' -> (its arguments, its attributes)."""
+    depth, i = 1, 0
+    while i < len(rest) and depth:
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        i += 1
+    return rest[:i - 1], rest[i:]
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """Optimized HLO text -> ({computation: its instructions}, the entry's name)."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        head = _HEADER.match(line)
+        if head and line and not line[0].isspace():
+            current = comps.setdefault(head.group(2), [])
+            entry = head.group(2) if head.group(1) else entry
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            args, attrs = _split_args(m.group(5))
+            current.append(Instr(m.group(2), m.group(3), m.group(4),
+                                 re.findall(r"%([\w.\-#]+)", args), args, attrs,
+                                 bool(m.group(1))))
+    return comps, entry
+
+
+@dataclasses.dataclass
+class KernelCost:
+    name: str  # the source op it came from, layer indices as *: one row for every layer's
+    opcode: str
+    runs: int
+    bytes: int  # per call of the program, all runs
+
+
+_OP_NAME = re.compile(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"')
+
+
+def source_op(ins: Instr) -> str:
+    """The JAX source op an instruction came from (its op_name), layer indices as *."""
+    m = _OP_NAME.search(ins.attrs)
+    name = m.group(1) if m else ins.name
+    return re.sub(r"layers_\d+", "layers_*", name)
+
+
+class HloBytes:
+    """HBM bytes of one compiled program (the module docstring's model). `pool_shape`: the KV
+    pool's HLO dims, whose operands of a custom call are charged `kv_read` bytes each."""
+
+    def __init__(self, hlo: str, pool_dims: tuple[int, ...] | None = None, kv_read: int = 0):
+        self.comps, self.entry = parse_hlo(hlo)
+        self.shapes = {i.name: i.shape for c in self.comps.values() for i in c}
+        self.pool = None if pool_dims is None else ",".join(map(str, pool_dims))
+        self.kv_read = kv_read
+        self.kernels: dict[str, KernelCost] = {}
+        self.conditionals = 0
+        self._walk(self.entry, 1)
+
+    @property
+    def total(self) -> int:
+        return sum(k.bytes for k in self.kernels.values())
+
+    def top(self, n: int = 8) -> list[KernelCost]:
+        """The `n` costliest source ops, each summed over its kernels."""
+        grouped: dict[tuple[str, str], KernelCost] = {}
+        for k in self.kernels.values():
+            g = grouped.setdefault((k.name, k.opcode), KernelCost(k.name, k.opcode, 0, 0))
+            g.runs += k.runs
+            g.bytes += k.bytes
+        return sorted(grouped.values(), key=lambda k: -k.bytes)[:n]
+
+    def _walk(self, comp: str, times: int) -> None:
+        for ins in self.comps.get(comp, ()):
+            called = dict(_CALLS.findall(ins.attrs))
+            if ins.opcode == "while":
+                trips = _TRIPS.search(ins.attrs)
+                n = int(trips.group(1)) if trips else 1
+                self._walk(called["body"], times * n)
+                self._walk(called["condition"], times * (n + 1))
+            elif ins.opcode == "conditional":
+                self.conditionals += times
+                names = [c.strip().lstrip("%") for g in _BRANCHES.findall(ins.attrs)
+                         for c in g.split(",")] or [called.get("true_computation"),
+                                                    called.get("false_computation")]
+                costs = []
+                for name in names:  # the costliest branch
+                    before = dict(self.kernels)
+                    self._walk(name, times)
+                    costs.append((sum(k.bytes for k in self.kernels.values()), name))
+                    self.kernels = before
+                if costs:
+                    self._walk(max(costs)[1], times)
+            elif ins.opcode in ("call", "async-start", "copy-start") and "calls" in called \
+                    or ins.opcode == "call":
+                self._walk(called.get("calls") or called.get("to_apply"), times)
+            elif ins.opcode not in _FREE:
+                self._charge(ins, times)
+
+    def _charge(self, ins: Instr, times: int) -> None:
+        ops = [self.shapes.get(o, "") for o in ins.operands]
+        if ins.opcode == "fusion":
+            b = self._fusion_bytes(ins, ops)
+        elif ins.opcode == "custom-call":
+            b = sum(self.kv_read if self._is_pool(s) else array_bytes(s) for s in ops) \
+                + array_bytes(ins.shape)
+        elif ins.opcode in _IN_PLACE:
+            b = 2 * array_bytes(ops[_IN_PLACE[ins.opcode]])
+        elif ins.opcode in _SLICING:
+            b = 2 * array_bytes(ins.shape)
+        else:
+            b = sum(map(array_bytes, ops)) + array_bytes(ins.shape)
+        k = self.kernels.setdefault(ins.name, KernelCost(source_op(ins), ins.opcode, 0, 0))
+        k.runs += times
+        k.bytes += b * times
+
+    def _is_pool(self, shape: str) -> bool:
+        m = _ARRAY.search(shape)
+        return self.pool is not None and m is not None and m.group(2) == self.pool
+
+    def _fusion_bytes(self, ins: Instr, ops: list[str]) -> int:
+        body = self.comps.get(dict(_CALLS.findall(ins.attrs)).get("calls", ""), [])
+        by_name = {i.name: i for i in body}
+        params = {int(i.args): i.name for i in body if i.opcode == "parameter"}
+        users = defaultdict(list)
+        for i in body:
+            for pos, o in enumerate(i.operands):
+                users[o].append((i, pos))
+        root = next((i for i in body if i.root), None)
+        roots = [by_name[o] for o in root.operands] if root and root.opcode == "tuple" else [root]
+        in_place = {}  # name of the updated buffer inside -> bytes of the update
+        out = 0
+        for r in roots:
+            while r is not None and r.opcode == "bitcast":
+                r = by_name.get(r.operands[0])
+            if r is not None and r.opcode in _IN_PLACE:
+                upd = array_bytes(by_name[r.operands[_IN_PLACE[r.opcode]]].shape)
+                in_place[r.operands[0]] = upd
+                out += upd
+            elif r is not None:
+                out += array_bytes(r.shape)
+        total = out
+        for idx, shape in enumerate(ops):
+            p = params.get(idx)
+            if p in in_place:
+                continue  # updated where it lies: the update is charged above
+            uses = users.get(p, [])
+            if uses and all(u.opcode in _SLICING and pos == 0 for u, pos in uses):
+                total += sum(array_bytes(u.shape) for u, _ in uses)
+            else:
+                total += array_bytes(shape)
+        return total
+
+
+# ------------------------------------------------------------------------------ launch list
+
+_THUNK = re.compile(r"^(\s*)(\d+):\s+(k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")
+_STRUCTURE = frozenset({"kWhile", "kConditional", "kCommandBuffer", "kSequential",
+                        "kAsyncStart", "kAsyncDone", "kDynamicSliceFusion", "kWaitForStreams",
+                        "kRecordEvent", "kWaitEvent"})
+
+
+@dataclasses.dataclass
+class Thunk:
+    id: int
+    kind: str
+    text: str
+    depth: int
+    children: list[Thunk] = dataclasses.field(default_factory=list)
+    part: str = ""  # "condition", "body" or a branch, inside a kWhile or kConditional
+
+
+def parse_thunks(text: str) -> list[Thunk]:
+    """A dumped thunk sequence -> its top-level thunks, nested by indentation."""
+    top: list[Thunk] = []
+    stack: list[Thunk] = []
+    part = ""
+    for line in text.splitlines():
+        m = _THUNK.match(line)
+        if not m:
+            if line.strip().endswith(":"):
+                part = line.strip()[:-1]
+            continue
+        t = Thunk(int(m.group(2)), m.group(3), m.group(4), len(m.group(1)))
+        while stack and stack[-1].depth >= t.depth:
+            stack.pop()
+        if stack:
+            t.part = part if stack[-1].kind in ("kWhile", "kConditional") else ""
+            stack[-1].children.append(t)
+        else:
+            top.append(t)
+        stack.append(t)
+    return top
+
+
+@dataclasses.dataclass
+class Launches:
+    in_graphs: int = 0
+    outside: int = 0
+    graphs: int = 0
+    host_syncs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.in_graphs + self.outside
+
+
+def count_launches(thunks: list[Thunk], trips: dict[int, int]) -> Launches:
+    """Launches per call; `trips`: a kWhile thunk's id -> its trip count (default 1)."""
+    out = Launches()
+
+    def walk(ts: list[Thunk], times: int, graph: bool) -> None:
+        for t in ts:
+            if t.kind == "kWhile":
+                n = trips.get(t.id, 1)
+                if not graph:
+                    out.host_syncs += times * (n + 1)
+                for part, k in (("condition", n + 1), ("body", n)):
+                    walk([c for c in t.children if c.part == part], times * k, graph)
+            elif t.kind == "kConditional":
+                if not graph:
+                    out.host_syncs += times
+                branches = defaultdict(list)
+                for c in t.children:
+                    branches[c.part].append(c)
+                costs = [(_size(b), part) for part, b in branches.items()]
+                if costs:
+                    walk(branches[max(costs)[1]], times, graph)
+            elif t.kind == "kCommandBuffer":
+                out.graphs += times
+                walk(t.children, times, True)
+            elif t.kind in _STRUCTURE:
+                walk(t.children, times, graph)
+            elif graph:
+                out.in_graphs += times
+            else:
+                out.outside += times
+
+    walk(thunks, 1, False)
+    return out
+
+
+def _size(ts: list[Thunk]) -> int:
+    return sum(1 + _size(t.children) for t in ts)
+
+
+def while_trips(metadata: str, hlo: str) -> dict[int, int]:
+    """kWhile thunk id -> the known trip count of the HLO while it runs."""
+    known = {}
+    for ins in (i for c in parse_hlo(hlo)[0].values() for i in c if i.opcode == "while"):
+        m = _TRIPS.search(ins.attrs)
+        if m:
+            known[ins.name] = int(m.group(1))
+    trips = {}
+    for block in metadata.split("thunk_metadata {")[1:]:
+        name = re.search(r'profile_annotation:\s*"([^"]+)"', block)
+        tid = re.search(r"thunk_id:\s*(\d+)", block)
+        if name and tid and '"kWhile"' in block and name.group(1) in known:
+            trips[int(tid.group(1))] = known[name.group(1)]
+    return trips
+
+
+def dumped_module(dump_dir: str, before: set[str]) -> dict[str, str]:
+    """The files a compile just dumped into `dump_dir` (those not in `before`): {"thunks",
+    "metadata", "hlo"} -> text, for the one module with a thunk sequence among them."""
+    new = sorted(set(glob.glob(os.path.join(dump_dir, "*"))) - before)
+    seqs = [f for f in new if f.endswith("thunk_sequence_after_thunk_passes.txt")] or \
+        [f for f in new if f.endswith("thunk_sequence.txt")]
+    if not seqs:
+        raise RuntimeError(f"the compile dumped no thunk sequence into {dump_dir}")
+    prefix = seqs[-1].split(".thunk_sequence")[0]
+    hlo = [f for f in new if f.startswith(prefix) and f.endswith("gpu_after_optimizations.txt")]
+    read = lambda p: pathlib.Path(p).read_text()  # noqa: E731
+    return {"thunks": read(seqs[-1]), "metadata": read(prefix + ".thunk_metadata.txt"),
+            "hlo": read(hlo[0]) if hlo else ""}
+
+
+def opcode_counts(hlo: HloBytes) -> Counter:
+    return Counter({k.opcode: k.runs for k in hlo.kernels.values()})
+
+
+# ------------------------------------------------------------------------------ the report
+
+# Model shapes, as config.json fields of a Llama: the default model and Llama-3.1-8B.
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+               rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2)
+LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192},
+                  tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+MODELS = {"smollm2-135m": SMOLLM2, "llama-3.1-8b": LLAMA31_8B}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSpec:
+    """One program of the report: `sequences` real rows at context `context`, of which
+    `prefill` more tokens belong to one prompt chunk (a mixed step), `decode_steps` per call."""
+
+    name: str
+    sequences: int
+    context: int
+    prefill: int = 0
+    decode_steps: int = 1
+
+
+def default_programs(context: int, most: int = 256) -> list[ProgramSpec]:
+    """Decode at 1, 32 and `most` sequences, the decode loop at `most`, and a mixed step of
+    `most` decodes and one prompt chunk of `most` tokens."""
+    return [ProgramSpec(f"decode-{s}", s, context) for s in (1, 32, most)] + [
+        ProgramSpec(f"decode-loop-{most}", most, context, decode_steps=8),
+        ProgramSpec(f"mixed-{most}+{most}", most, context, prefill=most)]
+
+
+def abstract_model(preset: dict):
+    """A LoadedModel of `preset`'s shapes whose params are ShapeDtypeStructs (nothing is
+    allocated): the loader's tree, as the model's own init lays it out."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.kernels.attention.metadata import AttentionMetadata
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.llama import Transformer
+    from jaxserve.models.loader import LoadedModel
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **preset})
+    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(i32(1), i32(1), i32(1), i32(1, 1), i32(1), i32(2))
+    pages = jax.ShapeDtypeStruct((cfg.num_layers, 1, 16, cfg.num_kv_heads, cfg.head_dim),
+                                 jnp.float32)
+    params = jax.eval_shape(lambda k, v: Transformer(cfg).init(
+        jax.random.key(0), i32(1), k, v, md, None), pages, pages)["params"]
+    return LoadedModel(cfg, params, None, f"(shapes of {preset})")
+
+
+def target_device(target: str):
+    """The compile-only device of a GPU target description (a path to a .txtpb)."""
+    from jax.experimental import topologies
+
+    with open(target) as f:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=f.read(),
+                                            topology="1x1x1")
+    return topo.devices[0]
+
+
+def bandwidth_of(target: str) -> float:
+    """HBM bytes per second of a target description."""
+    m = re.search(r"memory_bandwidth:\s*(\d+)", pathlib.Path(target).read_text())
+    if m is None:
+        raise ValueError(f"{target}: no memory_bandwidth field")
+    return float(m.group(1))
+
+
+def deviceless_runner(preset: dict, device, programs: list[ProgramSpec], **engine):
+    """The engine's ModelRunner for `preset` on compile-only `device`, at the accelerator
+    defaults except what `engine` (EngineConfig fields) says, with a pool that holds every
+    program's sequences at its context."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.runtime.runner import ModelRunner
+
+    most = max(p.sequences for p in programs)
+    context = max(p.context for p in programs)
+    block = engine.get("block_size", 16)
+    kw = dict(max_num_seqs=most, max_num_batched_tokens=max(512, 2 * most),
+              attention_backend="mosaic", num_kv_blocks=(most + 1) * -(-context // block) + 64,
+              compilation_cache_dir="") | engine
+    config = EngineConfig(**kw).on_platform("gpu")
+    return ModelRunner(config, abstract_model(preset), [device], deviceless=True)
+
+
+def program_of(runner, spec: ProgramSpec):
+    """The engine's Program for `spec` (greedy rows: plain where the engine has plain ones)."""
+    from jaxserve.core.scheduler import pick_bucket
+    from jaxserve.runtime.step_inputs import Program, seq_bucket
+
+    tok, seq, blk = runner.buckets
+    tokens = pick_bucket(tok, spec.sequences + spec.prefill, "tokens")
+    seqs = seq_bucket(seq, tokens, spec.sequences + bool(spec.prefill),
+                      runner.config.max_num_seqs)
+    blocks = pick_bucket(blk, -(-spec.context // runner.block_size), "blocks")
+    return Program(tokens, seqs, blocks, 0, runner.plain_programs, spec.decode_steps)
+
+
+def weight_bytes(runner) -> int:
+    """Bytes of the weights a step reads whole: all but an untied embedding, of which a step
+    gathers its tokens' rows alone."""
+    import jax
+
+    params = dict(runner.params)
+    if not runner.model_config.tie_word_embeddings:
+        params.pop("embed")
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def kv_read_bytes(runner, sequences: int, context: int) -> int:
+    """K and V bytes of one layer that `sequences` rows at `context` read (whole blocks)."""
+    mc = runner.model_config
+    tokens = -(-context // runner.block_size) * runner.block_size
+    return sequences * tokens * mc.num_kv_heads * mc.head_dim * runner.kv_dtype.itemsize
+
+
+def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> dict:
+    """Compile `spec`'s program and read its cost (the module docstring's model), per
+    decode step (a decode loop's call divided by its steps)."""
+    import time
+
+    program = program_of(runner, spec)
+    before = set(glob.glob(os.path.join(dump_dir, "*")))
+    t0 = time.perf_counter()
+    runner.compile_program(program)
+    compile_s = time.perf_counter() - t0
+    files = dumped_module(dump_dir, before)
+    for path in set(glob.glob(os.path.join(dump_dir, "*"))) - before:
+        os.remove(path)  # an 8B's dumps run to hundreds of MB
+    launches = count_launches(parse_thunks(files["thunks"]),
+                              while_trips(files["metadata"], files["hlo"]))
+    mc = runner.model_config
+    rows = spec.sequences + bool(spec.prefill)
+    read = kv_read_bytes(runner, rows, spec.context)
+    hlo = HloBytes(files["hlo"], runner.kv.k.shape, read)
+    n = spec.decode_steps
+    floor = weight_bytes(runner) + 2 * mc.num_layers * read
+    per = lambda x: x / n  # noqa: E731
+    hbm = per(hlo.total)
+    outside, graphs, syncs = per(launches.outside), per(launches.graphs), per(launches.host_syncs)
+    overhead_ms = (outside * LAUNCH_US + graphs * GRAPH_US + syncs * SYNC_US) / 1e3
+    return {
+        "name": spec.name, "sequences": spec.sequences, "context": spec.context,
+        "prefill_tokens": spec.prefill, "decode_steps": n, "program": list(program),
+        "compile_s": round(compile_s, 2),
+        "launches": round(per(launches.total), 1),
+        "launches_in_graphs": round(per(launches.in_graphs), 1),
+        "launches_outside_graphs": round(outside, 1), "graphs": round(graphs, 1),
+        "host_syncs": round(syncs, 1), "conditionals": round(per(hlo.conditionals), 1),
+        "hbm_bytes": int(hbm), "floor_bytes": int(floor),
+        "bytes_ms": round(hbm / bandwidth * 1e3, 4), "overhead_ms": round(overhead_ms, 4),
+        "predicted_ms": round(hbm / bandwidth * 1e3 + overhead_ms, 4),
+        "floor_ms": round(floor / bandwidth * 1e3, 4),
+        "top_kernels": [{"name": k.name, "opcode": k.opcode, "runs": round(per(k.runs), 1),
+                         "bytes": int(per(k.bytes))} for k in hlo.top(10)],
+    }
+
+
+# What the default model's decode step at 256 sequences may cost (CI holds it there): a
+# change that adds launches outside a graph, host syncs or bytes fails.
+BOUNDS = {"launches_outside_graphs": 10, "host_syncs": 0, "conditionals": 0,
+          "launches": 600, "floor_ratio": 1.7, "predicted_ms": 1.2}
+
+
+def check_bounds(program: dict, bounds: dict = BOUNDS) -> list[str]:
+    """The bounds `program` (a cost_program row) breaks, each as a sentence; [] when none."""
+    got = dict(program, floor_ratio=program["hbm_bytes"] / program["floor_bytes"])
+    return [f"{name} {got[name]:g} > {limit:g}" for name, limit in bounds.items()
+            if got[name] > limit]

@@ -1,0 +1,139 @@
+"""The engine's GPU step programs, compiled and costed on a machine without a GPU.
+
+    python scripts/gpu_cost.py --target h200            # default model and Llama-3.1-8B
+    python scripts/gpu_cost.py --target h100 --models smollm2-135m --json cost.json
+
+Compiles, for the target's description (`h200`, `h100`, or a path to a GpuTargetConfigProto
+.txtpb), the step programs the engine would run there (its own ModelRunner, random weights of
+each model's shapes, bfloat16, the accelerator defaults): decode at 1, 32 and 256 sequences, the
+decode loop, a mixed step. Per program it prints compile time, launches per decode step (in
+command buffers and outside), host syncs, conditionals, HBM bytes, the floor, the predicted
+time and the top kernels by bytes: jaxserve/bench/gpu_cost.py says how each is counted.
+
+Needs JAX's CUDA plugin beside JAX, kept out of the environment so that JAX there stays on the
+CPU: `pip install --no-deps --target .cuda-compiler jax-cuda12-plugin==0.11.2
+jax-cuda12-pjrt==0.11.2` (`--plugin-dir` or $JAXSERVE_CUDA_PLUGIN_DIR name another folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGETS = {"h200": "h200.txtpb", "h100": "h100_sxm.txtpb"}
+PLUGIN_HELP = ("pip install --no-deps --target .cuda-compiler jax-cuda12-plugin==0.11.2 "
+               "jax-cuda12-pjrt==0.11.2")
+
+
+def target_path(name: str) -> str:
+    """A target's description: a path, or a name looked up in the repository's shared/gpu
+    folder or the one beside the checkout."""
+    if os.path.exists(name):
+        return name
+    file = TARGETS.get(name)
+    if file is None:
+        raise SystemExit(f"--target: {name!r} is neither a file nor one of {sorted(TARGETS)}")
+    for folder in (os.path.join(ROOT, "shared", "gpu"),
+                   os.path.join(os.path.dirname(ROOT), "shared", "gpu")):
+        if os.path.exists(os.path.join(folder, file)):
+            return os.path.join(folder, file)
+    raise SystemExit(f"--target {name}: no {file} in shared/gpu beside or inside the checkout")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from jaxserve.bench.gpu_cost import MODELS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="h200", help="h200, h100 or a .txtpb path")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--programs", nargs="+", default=None,
+                    help="only these programs (names as printed, e.g. decode-256)")
+    ap.add_argument("--context", type=int, default=512, help="tokens each sequence has seen")
+    ap.add_argument("--sequences", type=int, default=256, help="the largest batch")
+    ap.add_argument("--attention-backend", default="mosaic")
+    ap.add_argument("--layer-loop", default=None, choices=("scan", "unroll"),
+                    help="default: the engine's on an accelerator")
+    ap.add_argument("--plugin-dir", default=os.environ.get(
+        "JAXSERVE_CUDA_PLUGIN_DIR", os.path.join(ROOT, ".cuda-compiler")))
+    ap.add_argument("--json", default=None, help="write {'programs': [...]} here")
+    return ap.parse_args(argv)
+
+
+def setup(plugin_dir: str, dump_dir: str) -> None:
+    """Before JAX is imported: the CPU as JAX's platform (the CUDA plugin registers only its
+    compiler, no device), the plugin on the path, XLA dumping each compile's launch list."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir} "
+                               "--xla_dump_hlo_as_text").strip()
+    if os.path.isdir(plugin_dir):
+        sys.path.insert(0, plugin_dir)
+
+
+def row(p: dict) -> str:
+    gb = lambda b: f"{b / 1e9:.3f}"  # noqa: E731
+    return (f"| {p['name']} | {p['compile_s']:.1f} | {p['launches']:.0f} "
+            f"({p['launches_in_graphs']:.0f} / {p['launches_outside_graphs']:.0f}) | "
+            f"{p['graphs']:.2g} | {p['host_syncs']:.2g} | {p['conditionals']:.0f} | "
+            f"{gb(p['hbm_bytes'])} | {gb(p['floor_bytes'])} | "
+            f"{p['hbm_bytes'] / p['floor_bytes']:.2f} | "
+            f"{p['predicted_ms']:.3f} | {p['floor_ms']:.3f} |")
+
+
+HEADER = ("| program | compile s | launches per step (in graphs / outside) | graphs | host syncs "
+          "| conditionals | HBM GB | floor GB | x floor | predicted ms | floor ms |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    target = target_path(args.target)
+    dump_dir = tempfile.mkdtemp(prefix="gpu-cost-")
+    setup(args.plugin_dir, dump_dir)
+    from jaxserve.bench import gpu_cost as gc
+
+    try:
+        device = gc.target_device(target)
+    except Exception as e:  # noqa: BLE001 - say what to install
+        raise SystemExit(f"cannot compile for the GPU here ({type(e).__name__}: {e}); "
+                         f"install JAX's CUDA plugin: {PLUGIN_HELP}") from None
+    bandwidth = gc.bandwidth_of(target)
+    print(f"target: {device.device_kind} ({os.path.basename(target)}), {bandwidth / 1e12:.2f} "
+          f"TB/s; predicted = bytes / bandwidth + {gc.LAUNCH_US} us a launch outside a graph "
+          f"+ {gc.GRAPH_US} us a graph + {gc.SYNC_US} us a host sync", flush=True)
+    engine = {"attention_backend": args.attention_backend}
+    if args.layer_loop:
+        engine["layer_loop"] = args.layer_loop
+    programs = []
+    for model in args.models:
+        specs = [s for s in gc.default_programs(args.context, args.sequences)
+                 if args.programs is None or s.name in args.programs]
+        if not specs:
+            continue
+        runner = gc.deviceless_runner(gc.MODELS[model], device, specs, **engine)
+        print(f"\n{model}: {runner.model_config.num_layers} layers, weights "
+              f"{gc.weight_bytes(runner) / 1e9:.2f} GB {runner.dtype.name}, attention "
+              f"{runner.attention_backend}, layer loop {runner.config.layer_loop}, context "
+              f"{args.context}\n{HEADER}", flush=True)
+        for spec in specs:
+            p = gc.cost_program(runner, spec, dump_dir, bandwidth) | {"model": model}
+            programs.append(p)
+            print(row(p), flush=True)
+        for p in programs:
+            if p["model"] == model:
+                print(f"  {p['name']}, top kernels by bytes (source op, kind, runs, GB):")
+                for k in p["top_kernels"]:
+                    print(f"    {k['name'][-90:]}  {k['opcode']}  {k['runs']:g}  "
+                          f"{k['bytes'] / 1e9:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": os.path.basename(target), "programs": programs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

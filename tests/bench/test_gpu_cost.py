@@ -1,0 +1,104 @@
+"""The launch-list and HBM-bytes readers of jaxserve/bench/gpu_cost.py, on texts in the forms
+XLA:GPU dumps (the whole path, compiled for an H200, is tests/scripts/test_gpu_cost.py)."""
+
+from __future__ import annotations
+
+from jaxserve.bench.gpu_cost import (
+    HloBytes,
+    array_bytes,
+    check_bounds,
+    count_launches,
+    parse_thunks,
+    while_trips,
+)
+
+THUNKS = """\
+001: kCustomKernel  [source | next=002 (1)] loop_broadcast_fusion grid: [2, 1, 1]
+002: kWhile         [prev=001 (1) | next=000 (1)]
+condition:
+    003: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+  body:
+    004: kAsyncStart    [source | next=000 (6) ] stream=computation_stream[3], async_id=7
+        006: kDynamicSliceFusion [source | sink] params=1, results=1
+            005: kCopy [source | sink] kCopy
+    000: kCommandBuffer [source | next=000 (2) ]
+        007: kCustomKernel [source | next=008 (1)] loop_select_fusion grid: [2, 1, 1]
+        008: kCustomCall   [prev=007 (1) | sink] kCustomCall
+    009: kAsyncDone     [source | sink ] async_id=7
+    010: kCustomKernel  [prev=000 (2) | sink ] gemm_fusion_dot grid: [7680, 1, 1]
+000: kCommandBuffer [prev=002 (1) | sink ]
+    011: kCustomKernel [source | sink] loop_add_fusion grid: [18, 1, 1]
+"""
+METADATA = """thunk_metadata {
+  thunk_info {
+    profile_annotation: "while.2"
+    thunk_id: 2
+  }
+  thunk_kind: "kWhile"
+}
+"""
+
+
+def test_launches_count_loop_trips_graphs_and_syncs():
+    hlo = ('  %while.2 = (s32[]) while(%t), condition=%c, body=%b, '
+           'backend_config={"known_trip_count":{"n":"30"}}\n')
+    trips = while_trips(METADATA, "ENTRY %main {\n" + hlo + "}\n")
+    assert trips == {2: 30}
+    got = count_launches(parse_thunks(THUNKS), trips)
+    # outside: the broadcast, the 31 condition checks, 30 x (copy + gemm); in graphs: 30 x 2
+    # in the body's buffer and the last one's add
+    assert got.outside == 1 + 31 + 30 * 2
+    assert got.in_graphs == 30 * 2 + 1
+    assert got.graphs == 31 and got.host_syncs == 31
+    assert got.total == got.in_graphs + got.outside
+    assert count_launches(parse_thunks(THUNKS), {}).outside == 1 + 2 + 2  # one trip, unknown
+
+
+HLO = """\
+%fused_update (p0: bf16[30,100,16,64], p1: bf16[8,64], p2: s32[]) -> bf16[30,100,16,64] {
+  %p0 = bf16[30,100,16,64]{3,2,1,0} parameter(0)
+  %p1 = bf16[8,64]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %b = bf16[1,1,8,64]{3,2,1,0} bitcast(%p1)
+  ROOT %dus = bf16[30,100,16,64]{3,2,1,0} dynamic-update-slice(%p0, %b, %p2, %p2, %p2, %p2)
+}
+
+%fused_slice (p0.1: bf16[30,576,64], p1.1: s32[]) -> bf16[1,576,64] {
+  %p0.1 = bf16[30,576,64]{2,1,0} parameter(0)
+  %p1.1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[1,576,64]{2,1,0} dynamic-slice(%p0.1, %p1.1, %z, %z), dynamic_slice_sizes={1,576,64}
+}
+
+ENTRY %main (pool: bf16[30,100,16,64], w: bf16[30,576,64], u: bf16[8,64], i: s32[]) -> bf16[30,100,16,64] {
+  %pool = bf16[30,100,16,64]{3,2,1,0} parameter(0)
+  %w = bf16[30,576,64]{2,1,0} parameter(1)
+  %u = bf16[8,64]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %slice = bf16[1,576,64]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(step)/forward/layers_3/dynamic_slice"}
+  %update = bf16[30,100,16,64]{3,2,1,0} fusion(%pool, %u, %i), kind=kLoop, calls=%fused_update
+  %attn = bf16[8,64]{1,0} custom-call(%u, %pool, %pool), custom_call_target="mosaic_gpu"
+  ROOT %t = (bf16[30,100,16,64]{3,2,1,0}, bf16[1,576,64]{2,1,0}) tuple(%update, %slice)
+}
+"""  # noqa: E501  (HLO lines as XLA writes them)
+
+
+def test_hbm_bytes_charge_slices_updates_and_the_pool_read():
+    assert array_bytes("(bf16[8,64]{1,0}, f32[2]{0}, s32[])") == 8 * 64 * 2 + 8 + 4
+    hb = HloBytes(HLO, (30, 100, 16, 64), kv_read=1000)
+    by = {k.opcode + ":" + k.name: k.bytes for k in hb.kernels.values()}
+    layer = 576 * 64 * 2
+    assert by["fusion:forward/layers_*/dynamic_slice"] == 2 * layer + 4  # read, written, index
+    update = next(b for k, b in by.items() if k.startswith("fusion:") and "slice" not in k)
+    assert update == 2 * 8 * 64 * 2 + 4  # the rows read and written (and the index), no pool
+    assert by["custom-call:attn"] == 8 * 64 * 2 + 2 * 1000 + 8 * 64 * 2  # q, the pool read, out
+    assert hb.total == sum(by.values())
+    assert [k.name for k in hb.top(3)][:2] == ["forward/layers_*/dynamic_slice", "attn"]
+
+
+def test_check_bounds_names_what_breaks():
+    ok = {"launches_outside_graphs": 0, "host_syncs": 0, "conditionals": 0, "launches": 500,
+          "hbm_bytes": 4.0e9, "floor_bytes": 3.3e9, "predicted_ms": 1.0}
+    assert check_bounds(ok) == []
+    assert check_bounds(ok | {"host_syncs": 31}) == ["host_syncs 31 > 0"]
+    assert check_bounds(ok | {"hbm_bytes": 6e9})[0].startswith("floor_ratio 1.8")
