@@ -155,10 +155,12 @@ class EngineConfig:
     compilation_cache_dir: str | None = option(
         None, "persistent XLA compilation cache, so a second start loads its programs "
               "(default: $JAXSERVE_CACHE_DIR/xla or ~/.cache/jaxserve/xla; '' turns it off)")
-    layer_loop: LayerLoop = option(
-        LayerLoop.SCAN, "how the step runs the layers: scan (one layer body: small programs, "
-                        "quick to compile and load) or unroll (a body per layer reading its "
-                        "weights in place: faster steps, slower to compile and load)")
+    layer_loop: LayerLoop | None = option(
+        None, "how the step runs the layers: scan (one layer body: small programs, quick to "
+              "compile and load) or unroll (a body per layer reading its weights in place: "
+              "faster steps, slower to compile and load; on a GPU the whole step is then one "
+              "CUDA graph, where a scanned loop is launched a kernel at a time and waits for "
+              "the device at every layer) (default: unroll on an accelerator, scan on a CPU)")
     quantization: Quantization = option(
         Quantization.AUTO, "auto: a GGUF's Q8_0, Q4_0 and Q4_1 layer projections stay in "
                            "their blocks, so steps stream fewer bytes, and are dequantized "
@@ -237,6 +239,8 @@ class EngineConfig:
                            ("scheduling_policy", SchedulingPolicy),
                            ("preemption_mode", PreemptionMode), ("role", Role)):
             value = getattr(self, name)
+            if value is None and name == "layer_loop":
+                continue  # resolved per platform: on_platform()
             try:
                 object.__setattr__(self, name, kind(value))
             except ValueError:
@@ -322,6 +326,8 @@ class EngineConfig:
             fill["decode_steps"] = CPU_DECODE_STEPS if cpu else DECODE_STEPS
         if self.plain_programs is None:
             fill["plain_programs"] = not cpu
+        if self.layer_loop is None:
+            fill["layer_loop"] = LayerLoop.SCAN if cpu else LayerLoop.UNROLL
         return dataclasses.replace(self, **fill) if fill else self
 
     def _resolved(self, name: str = "max_num_seqs") -> None:
@@ -340,6 +346,12 @@ class EngineConfig:
         for key, value in spec.items():
             object.__setattr__(self, SPECULATIVE_CONFIG_KEYS[key], value)
         object.__setattr__(self, "speculative_config", None)
+
+    @property
+    def scan_layers(self) -> bool:
+        """Whether the step scans one layer body (layer_loop scan) rather than unrolling."""
+        self._resolved("layer_loop")
+        return self.layer_loop is LayerLoop.SCAN
 
     @property
     def spec_tokens(self) -> int:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxserve.config import EngineConfig, add_options, from_options
+from jaxserve.config import EngineConfig, LayerLoop, add_options, from_options
 from jaxserve.core.scheduler import PreemptionMode, SchedulingPolicy
 from jaxserve.kernels.attention.base import AttentionBackend
 
@@ -37,6 +37,17 @@ def test_decode_steps_default_per_platform_and_one_under_speculation():
     for bad in (0, 65, 2.0):
         with pytest.raises(ValueError, match="decode_steps"):
             EngineConfig(decode_steps=bad)
+
+
+def test_layer_loop_default_unrolls_on_an_accelerator_and_scans_on_a_cpu():
+    cfg = EngineConfig()
+    with pytest.raises(ValueError, match="layer_loop"):
+        _ = cfg.scan_layers
+    assert cfg.on_platform("cpu").scan_layers
+    assert cfg.on_platform("gpu").layer_loop is LayerLoop.UNROLL
+    assert EngineConfig(layer_loop="scan").on_platform("gpu").scan_layers
+    with pytest.raises(ValueError, match="layer_loop"):
+        EngineConfig(layer_loop="spiral")
 
 
 def test_strings_become_enums_and_bad_names_are_refused():

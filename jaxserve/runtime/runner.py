@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig, LayerLoop, Quantization, Role
+from jaxserve.config import EngineConfig, Quantization, Role
 from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.kernels import cpu_matmul, quant
@@ -242,7 +242,7 @@ class ModelRunner:
             kv_dtype=None if asked is None or asked == self.dtype else asked)
         self.kv_dtype = (asked if asked is not None
                          else auto_kv_dtype(self.dtype, self.attention.backend))
-        scan = config.layer_loop is LayerLoop.SCAN
+        scan = config.scan_layers
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         ep = config.expert_parallel_size
         sharding.check_experts(loaded.config, tp, ep)
@@ -394,7 +394,7 @@ class ModelRunner:
         if self.mesh is not None:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
             experts_fn = sharding.shard_experts(self.mesh)
-        scan = self.config.layer_loop is LayerLoop.SCAN
+        scan = self.config.scan_layers
         self.model = Transformer(self.model_config, self.dtype, attn_fn, scan_layers=scan,
                                  block_matmul=self.block_matmul, experts_fn=experts_fn,
                                  kv_layout=self.kv_layout)

@@ -312,6 +312,7 @@ def _not_hopper(device=None) -> str | None:
 
 class MosaicBackend(Backend):
     name = AttentionBackend.MOSAIC
+    table_width_free = True  # each tile walks its sequence's pages up to its last position
 
     def unavailable(self, *, dtype=None, head_dim=None, groups=None, block_size=None,
                     kv_dtype=None, device=None):
