@@ -127,10 +127,12 @@ class ExecutableCache:
         self.num_loaded += 1
         return exe
 
-    def compile(self, program: tuple, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-        """XLA's compile (or load from JAX's cache) of `lowered`; stored here if compiled."""
+    def compile(self, program: tuple, lowered: jax.stages.Lowered,
+                options: dict | None = None) -> jax.stages.Compiled:
+        """XLA's compile (or load from JAX's cache) of `lowered` with compiler `options`;
+        stored here if compiled."""
         before = getattr(_thread, "xla_cache_hits", 0)
-        exe = lowered.compile()
+        exe = lowered.compile(options or None)
         if getattr(_thread, "xla_cache_hits", 0) == before:
             self.store(program, exe)
         return exe

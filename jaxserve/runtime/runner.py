@@ -111,6 +111,17 @@ class _ProgramError(Exception):
         self.program, self.error = program, error
 
 
+# XLA:GPU's command buffers (CUDA graphs): its default kinds (JAX 0.11) and while loops, so the
+# decode loop runs as graph nodes on the device, not a host round trip per trip.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,"
+                        "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}
+
+
+def compiler_options(platform: str) -> dict:
+    """The XLA options the step programs are compiled with on `platform`."""
+    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
+
+
 def resolve_dtype(name: str, platform: str | None = None):
     """A dtype option's dtype; auto: float32 on a CPU, bfloat16 elsewhere (`platform`: the
     step's device's, default JAX's)."""
@@ -229,6 +240,8 @@ class ModelRunner:
         self.compilation_cache_dir = (None if deviceless
                                       else compile_cache.enable(config.compilation_cache_dir))
         platform = None if target is None else platform_of(target)
+        self.compiler_options = compiler_options(platform or platform_of(
+            (devices or jax.devices())[0]))
         self.dtype = resolve_dtype(config.dtype, platform)
         asked = (None if config.kv_cache_dtype == "auto"
                  else resolve_dtype(config.kv_cache_dtype, platform))
@@ -421,6 +434,7 @@ class ModelRunner:
                 # auto's choice, which depends on the machine (a C++ compiler for 'cpu')
                 f"attention_backend={self.attention_backend}",
                 f"block_matmul={self.block_matmul is not None}",
+                f"compiler_options={self.compiler_options}",
                 executable_cache.abstract(self.step_params), executable_cache.abstract(self.pools),
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
@@ -628,7 +642,7 @@ class ModelRunner:
     def compile_program(self, program: Program) -> jax.stages.Compiled:
         """Lower and compile `program` afresh (no cache): a deviceless runner's way to see
         the programs the engine would run on its target."""
-        return self._lower(program).compile()
+        return self._lower(program).compile(self.compiler_options or None)
 
     def _compile(self, program: Program) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
@@ -658,8 +672,9 @@ class ModelRunner:
                lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         self.num_compiles += 1
         if self.executable_cache is None:
-            return self.map_budget.run(lowered.compile)
-        return self.map_budget.run(self.executable_cache.compile, program, lowered)
+            return self.map_budget.run(lowered.compile, self.compiler_options or None)
+        return self.map_budget.run(self.executable_cache.compile, program, lowered,
+                                   self.compiler_options)
 
     @property
     def num_loaded_executables(self) -> int:
