@@ -252,6 +252,9 @@ class DecoderLayer(nn.Module):
         sizes = [shape[contract] for shape in shapes]
         whole = (*shapes[0][:contract], sum(sizes), *shapes[0][contract + 1:])
         y = self.project_one(x, name, whole, contract)  # (T, sum(sizes), ...)
+        # Written once, then split: left fusible, XLA recomputes the matmul's epilogue (a
+        # split-K sum of float32 partials) inside every consumer of every part.
+        y = jax.lax.optimization_barrier(y)
         return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=1)
 
     def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
