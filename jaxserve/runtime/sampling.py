@@ -98,13 +98,18 @@ def _filtered_logits(logits: jax.Array, si: SamplingInputs) -> jax.Array:  # (S,
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:  # (..., V) -> (...) int32
-    """jnp.argmax over the last axis (the first of equal maxima), as two plain reductions: a
-    max, then the least index holding it. XLA:CPU runs argmax's (value, index) reduction one
-    element at a time, where these two vectorize. A row whose max is NaN gets the last id."""
-    v = logits.shape[-1]
-    best = jnp.max(logits, axis=-1, keepdims=True)
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return jnp.minimum(jnp.min(jnp.where(logits == best, ids, v), axis=-1), v - 1)
+    """jnp.argmax over the last axis (the first of equal maxima). On a CPU as two plain
+    reductions, a max, then the least index holding it: XLA:CPU runs argmax's (value, index)
+    reduction one element at a time, where these two vectorize (a row whose max is NaN gets
+    the last id). Elsewhere argmax itself, one pass over the logits instead of two."""
+    def two_passes(x):
+        v = x.shape[-1]
+        best = jnp.max(x, axis=-1, keepdims=True)
+        ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+        return jnp.minimum(jnp.min(jnp.where(x == best, ids, v), axis=-1), v - 1)
+
+    return jax.lax.platform_dependent(
+        logits, cpu=two_passes, default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
 
 def row_keys(si: SamplingInputs) -> jax.Array:
