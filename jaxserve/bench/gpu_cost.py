@@ -61,6 +61,20 @@ def array_bytes(shape: str) -> int:
     return total
 
 
+def tuple_elements(shape: str) -> list[str]:
+    """A tuple shape's element shapes, "(a, /*index=1*/b, (c, d))" -> ["a", "b", "(c, d)"]."""
+    shape = re.sub(r"/\*[^*]*\*/", "", shape.strip())
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(shape[start:i].strip())
+            start = i + 1
+    return [x for x in parts if x]
+
+
 @dataclasses.dataclass
 class Instr:
     name: str
@@ -125,6 +139,11 @@ class HloBytes:
     def __init__(self, hlo: str, pool_dims: tuple[int, ...] | None = None, kv_read: int = 0):
         self.comps, self.entry = parse_hlo(hlo)
         self.shapes = {i.name: i.shape for c in self.comps.values() for i in c}
+        for name in {o for c in self.comps.values() for i in c for o in i.operands if "#" in o}:
+            base, index = name.rsplit("#", 1)  # element `index` of tuple `base`
+            elements = tuple_elements(self.shapes.get(base, ""))
+            if index.isdigit() and int(index) < len(elements):
+                self.shapes[name] = elements[int(index)]
         self.pool = None if pool_dims is None else ",".join(map(str, pool_dims))
         self.kv_read = kv_read
         self.kernels: dict[str, KernelCost] = {}

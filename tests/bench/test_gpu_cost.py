@@ -9,6 +9,7 @@ from jaxserve.bench.gpu_cost import (
     check_bounds,
     count_launches,
     parse_thunks,
+    tuple_elements,
     while_trips,
 )
 
@@ -102,3 +103,15 @@ def test_check_bounds_names_what_breaks():
     assert check_bounds(ok) == []
     assert check_bounds(ok | {"host_syncs": 31}) == ["host_syncs 31 > 0"]
     assert check_bounds(ok | {"hbm_bytes": 6e9})[0].startswith("floor_ratio 1.8")
+
+
+def test_tuple_element_operands_are_charged_their_element():
+    """A loop body names a carried tuple's element as `%tuple#k` (no get-tuple-element): the
+    operand is charged that element's bytes, not lost."""
+    assert tuple_elements("(s32[], bf16[2,3]{1,0}, /*index=2*/(f32[1], u8[2]))") == [
+        "s32[]", "bf16[2,3]{1,0}", "(f32[1], u8[2])"]
+    hlo = ("ENTRY %body (arg: (s32[], bf16[64,128], bf16[8,64])) -> bf16[8,128] {\n"
+           "  %arg = (s32[], bf16[64,128]{1,0}, bf16[8,64]{1,0}) parameter(0)\n"
+           "  ROOT %dot = bf16[8,128]{1,0} dot(%arg#2, %arg#1), lhs_contracting_dims={1}, "
+           "rhs_contracting_dims={0}\n}\n")
+    assert HloBytes(hlo).total == (64 * 128 + 8 * 64 + 8 * 128) * 2
