@@ -91,6 +91,13 @@ HEADER = ("| program | compile s | launches per step (in graphs / outside) | gra
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from jaxserve.bench.gpu_cost import default_programs
+
+    names = [s.name for s in default_programs(args.context, args.sequences)]
+    unknown = sorted(set(args.programs or ()) - set(names))
+    if unknown:
+        raise SystemExit(f"--programs: no program {', '.join(unknown)}; the programs are "
+                         f"{', '.join(names)}")
     target = target_path(args.target)
     dump_dir = tempfile.mkdtemp(prefix="gpu-cost-")
     setup(args.plugin_dir, dump_dir)

@@ -55,3 +55,11 @@ def test_bounds_catch_the_scanned_layer_loop(tmp_path):
     broken = check_bounds(p)
     assert any(b.startswith("launches_outside_graphs") for b in broken), broken
     assert any(b.startswith("host_syncs") for b in broken), broken
+
+
+def test_unknown_program_or_target_is_refused_by_name():
+    for args, field in ((["--programs", "decode-7"], "--programs"), (["--target", "h300"],
+                                                                      "--target")):
+        proc = subprocess.run([sys.executable, "scripts/gpu_cost.py", *args],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode != 0 and field in proc.stderr, proc.stderr[-2000:]
