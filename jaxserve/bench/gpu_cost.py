@@ -177,11 +177,12 @@ class HloBytes:
                          for c in g.split(",")] or [called.get("true_computation"),
                                                     called.get("false_computation")]
                 costs = []
-                for name in names:  # the costliest branch
-                    before = dict(self.kernels)
+                for name in names:  # the costliest branch, each tried on a clean slate
+                    kept = self.kernels, self.conditionals
+                    self.kernels = {}
                     self._walk(name, times)
-                    costs.append((sum(k.bytes for k in self.kernels.values()), name))
-                    self.kernels = before
+                    costs.append((self.total, name))
+                    self.kernels, self.conditionals = kept
                 if costs:
                     self._walk(max(costs)[1], times)
             elif ins.opcode in ("call", "async-start", "copy-start") and "calls" in called \

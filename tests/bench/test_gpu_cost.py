@@ -115,3 +115,28 @@ def test_tuple_element_operands_are_charged_their_element():
            "  ROOT %dot = bf16[8,128]{1,0} dot(%arg#2, %arg#1), lhs_contracting_dims={1}, "
            "rhs_contracting_dims={0}\n}\n")
     assert HloBytes(hlo).total == (64 * 128 + 8 * 64 + 8 * 128) * 2
+
+
+def test_a_conditional_is_charged_its_costliest_branch_once():
+    hlo = """\
+%cheap (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%a)
+}
+
+%dear (b: f32[4]) -> f32[4] {
+  %b = f32[4]{0} parameter(0)
+  %e = f32[4]{0} exponential(%b)
+  ROOT %m = f32[4]{0} multiply(%e, %b)
+}
+
+ENTRY %main (p: pred[], x: f32[4]) -> f32[4] {
+  %p = pred[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  ROOT %c = f32[4]{0} conditional(%p, %x, %x), true_computation=%dear, false_computation=%cheap
+}
+"""
+    hb = HloBytes(hlo)
+    assert hb.conditionals == 1
+    assert hb.total == (16 + 16) + (2 * 16 + 16)  # exponential, then multiply; not the negate
+    assert sorted(k.opcode for k in hb.kernels.values()) == ["exponential", "multiply"]
