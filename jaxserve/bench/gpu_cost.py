@@ -27,7 +27,9 @@ import math
 import os
 import pathlib
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
+
+from jaxserve.bench.op_count import BRANCHES, CALLS, FREE, TRIPS, Instr, parse_hlo
 
 # Per-event costs of the prediction (microseconds): issuing one kernel outside a graph, one
 # graph launch, one round trip to read a predicate back. Rough Hopper figures, to calibrate.
@@ -39,15 +41,8 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                "token": 0}
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-#]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_CALLS = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)"
-                    r"=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-                   "after-all", "opt-barrier", "partition-id", "replica-id", "async-done",
-                   "copy-done", "add-dependency", "iota"})  # iota outside fusions is rare
+# op_count's, and the halves of async pairs whose start is charged
+_FREE = FREE | {"async-done", "copy-done", "add-dependency", "iota"}
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # root opcode -> its update operand
 
@@ -73,45 +68,6 @@ def tuple_elements(shape: str) -> list[str]:
             parts.append(shape[start:i].strip())
             start = i + 1
     return [x for x in parts if x]
-
-
-@dataclasses.dataclass
-class Instr:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    args: str  # the text between the opcode's parentheses
-    attrs: str
-    root: bool
-
-
-def _split_args(rest: str) -> tuple[str, str]:
-    """An instruction's text after its opcode's '(' -> (its arguments, its attributes)."""
-    depth, i = 1, 0
-    while i < len(rest) and depth:
-        depth += {"(": 1, ")": -1}.get(rest[i], 0)
-        i += 1
-    return rest[:i - 1], rest[i:]
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """Optimized HLO text -> ({computation: its instructions}, the entry's name)."""
-    comps: dict[str, list[Instr]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        head = _HEADER.match(line)
-        if head and line and not line[0].isspace():
-            current = comps.setdefault(head.group(2), [])
-            entry = head.group(2) if head.group(1) else entry
-            continue
-        m = _INSTR.match(line)
-        if m and current is not None:
-            args, attrs = _split_args(m.group(5))
-            current.append(Instr(m.group(2), m.group(3), m.group(4),
-                                 re.findall(r"%([\w.\-#]+)", args), args, attrs,
-                                 bool(m.group(1))))
-    return comps, entry
 
 
 @dataclasses.dataclass
@@ -165,15 +121,15 @@ class HloBytes:
 
     def _walk(self, comp: str, times: int) -> None:
         for ins in self.comps.get(comp, ()):
-            called = dict(_CALLS.findall(ins.attrs))
+            called = dict(CALLS.findall(ins.attrs))
             if ins.opcode == "while":
-                trips = _TRIPS.search(ins.attrs)
+                trips = TRIPS.search(ins.attrs)
                 n = int(trips.group(1)) if trips else 1
                 self._walk(called["body"], times * n)
                 self._walk(called["condition"], times * (n + 1))
             elif ins.opcode == "conditional":
                 self.conditionals += times
-                names = [c.strip().lstrip("%") for g in _BRANCHES.findall(ins.attrs)
+                names = [c.strip().lstrip("%") for g in BRANCHES.findall(ins.attrs)
                          for c in g.split(",")] or [called.get("true_computation"),
                                                     called.get("false_computation")]
                 costs = []
@@ -213,7 +169,7 @@ class HloBytes:
         return self.pool is not None and m is not None and m.group(2) == self.pool
 
     def _fusion_bytes(self, ins: Instr, ops: list[str]) -> int:
-        body = self.comps.get(dict(_CALLS.findall(ins.attrs)).get("calls", ""), [])
+        body = self.comps.get(dict(CALLS.findall(ins.attrs)).get("calls", ""), [])
         by_name = {i.name: i for i in body}
         params = {int(i.args): i.name for i in body if i.opcode == "parameter"}
         users = defaultdict(list)
@@ -342,7 +298,7 @@ def while_trips(metadata: str, hlo: str) -> dict[int, int]:
     """kWhile thunk id -> the known trip count of the HLO while it runs."""
     known = {}
     for ins in (i for c in parse_hlo(hlo)[0].values() for i in c if i.opcode == "while"):
-        m = _TRIPS.search(ins.attrs)
+        m = TRIPS.search(ins.attrs)
         if m:
             known[ins.name] = int(m.group(1))
     trips = {}
@@ -367,10 +323,6 @@ def dumped_module(dump_dir: str, before: set[str]) -> dict[str, str]:
     read = lambda p: pathlib.Path(p).read_text()  # noqa: E731
     return {"thunks": read(seqs[-1]), "metadata": read(prefix + ".thunk_metadata.txt"),
             "hlo": read(hlo[0]) if hlo else ""}
-
-
-def opcode_counts(hlo: HloBytes) -> Counter:
-    return Counter({k.opcode: k.runs for k in hlo.kernels.values()})
 
 
 # ------------------------------------------------------------------------------ the report

@@ -132,7 +132,7 @@ class ExecutableCache:
         """XLA's compile (or load from JAX's cache) of `lowered` with compiler `options`;
         stored here if compiled."""
         before = getattr(_thread, "xla_cache_hits", 0)
-        exe = lowered.compile(options or None)
+        exe = lowered.compile(options)
         if getattr(_thread, "xla_cache_hits", 0) == before:
             self.store(program, exe)
         return exe

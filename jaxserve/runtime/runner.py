@@ -117,9 +117,9 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT
                         "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}
 
 
-def compiler_options(platform: str) -> dict:
-    """The XLA options the step programs are compiled with on `platform`."""
-    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
+def compiler_options(platform: str) -> dict | None:
+    """The XLA options the step programs are compiled with on `platform` (None: XLA's own)."""
+    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else None
 
 
 def resolve_dtype(name: str, platform: str | None = None):
@@ -240,8 +240,6 @@ class ModelRunner:
         self.compilation_cache_dir = (None if deviceless
                                       else compile_cache.enable(config.compilation_cache_dir))
         platform = None if target is None else platform_of(target)
-        self.compiler_options = compiler_options(platform or platform_of(
-            (devices or jax.devices())[0]))
         self.dtype = resolve_dtype(config.dtype, platform)
         asked = (None if config.kv_cache_dtype == "auto"
                  else resolve_dtype(config.kv_cache_dtype, platform))
@@ -260,6 +258,7 @@ class ModelRunner:
         ep = config.expert_parallel_size
         sharding.check_experts(loaded.config, tp, ep)
         self.devices = sharding.device_group(devices, tp, ep)
+        self.compiler_options = compiler_options(platform_of(self.devices[0]))
         mc, params = loaded.config, loaded.params
         self.mesh = None
         self.head_layout = sharding.HeadLayout.plan(mc, tp)  # (the identity at tp = 1)
@@ -323,18 +322,17 @@ class ModelRunner:
                            if config.num_kv_blocks else max(1, pool_bytes(
                                config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
                                self.devices[0]) // (per_block // tp)))
-        if deviceless:
+        if self.mesh is None:  # committed to its device: the jitted step runs where they live
             rep = jax.sharding.SingleDeviceSharding(self.devices[0])
-            self.params = abstract(params, rep)
-            self.kv = abstract(jax.eval_shape(functools.partial(
-                KVCache.create, mc, self.num_blocks, self.block_size, self.kv_dtype, None,
-                self.kv_layout.rows)), rep)
-            self._jit_kw = {}
-        elif self.mesh is None:  # committed to its device: the jitted step runs where they live
-            rep = jax.sharding.SingleDeviceSharding(self.devices[0])
-            self.params = jax.device_put(params, rep)
-            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype, rep,
-                                     self.kv_layout.rows)
+            if deviceless:  # shapes alone, on the compile-only device
+                self.params = abstract(params, rep)
+                self.kv = abstract(jax.eval_shape(functools.partial(
+                    KVCache.create, mc, self.num_blocks, self.block_size, self.kv_dtype, None,
+                    self.kv_layout.rows)), rep)
+            else:
+                self.params = jax.device_put(params, rep)
+                self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
+                                         rep, self.kv_layout.rows)
             if self.draft_config is not None:
                 self.draft_params = jax.device_put(
                     as_step_params(self.draft_config, draft.params), rep)
@@ -385,9 +383,9 @@ class ModelRunner:
                                                           config.max_model_len)
         self._replicated = rep  # where the step's small inputs live
         self._unused: dict[int, logits_processing.LogitsInputs] = {}
-        self._last_tokens = (abstract(jax.ShapeDtypeStruct((max(self.buckets[1]),), jnp.int32),
-                                      rep) if deviceless
-                             else jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep))
+        self._last_tokens = (
+            jax.ShapeDtypeStruct((max(self.buckets[1]),), jnp.int32, sharding=rep) if deviceless
+            else jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep))
         self._make_step()
         self.num_compiles = 0  # programs lowered and compiled (XLA's own cache may serve those)
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
@@ -642,7 +640,7 @@ class ModelRunner:
     def compile_program(self, program: Program) -> jax.stages.Compiled:
         """Lower and compile `program` afresh (no cache): a deviceless runner's way to see
         the programs the engine would run on its target."""
-        return self._lower(program).compile(self.compiler_options or None)
+        return self._lower(program).compile(self.compiler_options)
 
     def _compile(self, program: Program) -> jax.stages.Compiled:
         if self.is_warm and self.config.strict_compile:
@@ -672,7 +670,7 @@ class ModelRunner:
                lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         self.num_compiles += 1
         if self.executable_cache is None:
-            return self.map_budget.run(lowered.compile, self.compiler_options or None)
+            return self.map_budget.run(lowered.compile, self.compiler_options)
         return self.map_budget.run(self.executable_cache.compile, program, lowered,
                                    self.compiler_options)
 
