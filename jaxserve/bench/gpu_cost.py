@@ -495,7 +495,7 @@ def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> 
 # per step (CI holds it there): a change that adds launches outside a graph, host syncs or
 # bytes fails.
 BOUNDS = {"launches_outside_graphs": 10, "host_syncs": 0, "conditionals": 0,
-          "launches": 580, "floor_ratio": 1.6, "predicted_ms": 1.1}
+          "launches": 580, "floor_ratio": 1.45, "predicted_ms": 1.0}
 
 
 def check_bounds(program: dict, bounds: dict = BOUNDS) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -99,6 +100,9 @@ def row_tiles(md: AttentionMetadata, num_tiles: int, block_q: int):
 # comes back in its own slot, (K, tiles, rows, H): no program stores a row another owns.
 
 
+ALIGN = 8  # rows of a shared-memory tile: a bulk copy into it starts on a multiple of this
+
+
 class TileExtent(NamedTuple):
     """A GPU kernel program's query tile, read from the tile map and metadata refs."""
 
@@ -122,11 +126,13 @@ def tile_extent(tile, tokens: int, tile_seq_ref, tile_row_ref, qsl_ref, ctx_ref)
 
 
 def fold_queries(q: jax.Array, kv_heads: int, rows: int) -> jax.Array:
-    """(T, K * G, H) -> (K, T * G + rows, H): a kv head's query rows, token-major, padded by
-    one tile so that a tile starting near the end reads in bounds."""
+    """(T, K * G, H) -> (K, R, H): a kv head's query rows, token-major, padded by at least one
+    tile (a tile starting near the end reads in bounds) to R, a multiple of 8 (ALIGN:
+    a bulk copy's tiled view of the rows needs whole tiles)."""
     t, n, h = q.shape
     folded = q.reshape(t, kv_heads, n // kv_heads, h).transpose(1, 0, 2, 3)
-    return jnp.pad(folded.reshape(kv_heads, t * (n // kv_heads), h), ((0, 0), (0, rows), (0, 0)))
+    pad = rows + (-(t * (n // kv_heads) + rows)) % ALIGN
+    return jnp.pad(folded.reshape(kv_heads, t * (n // kv_heads), h), ((0, 0), (0, pad), (0, 0)))
 
 
 def tile_rows(groups: int, least: int) -> int:
@@ -141,24 +147,28 @@ def folded_tiles(md: AttentionMetadata, num_rows: int, tokens: int):
     return (num_tiles, *query_tiles(md.query_start_loc, num_tiles, tokens))
 
 
-def tile_queries(q: jax.Array, md: AttentionMetadata, tile_seq: jax.Array, tile_row: jax.Array,
-                 kv_heads: int, rows: int) -> jax.Array:
-    """(T, K * G, H) -> (K, tiles, rows, H): each tile's folded query rows in its own slot,
-    so a kernel copies a tile from row 0 (a bulk copy into tiled shared memory must start on a
-    tile boundary; a tile's first folded row, (start + row0) * G, often does not). Rows past
-    the step's queries, and those of unused tiles, repeat the last row: never read back."""
-    t, n, h = q.shape
-    groups = n // kv_heads
-    folded = q.reshape(t, kv_heads, groups, h).transpose(1, 0, 2, 3).reshape(kv_heads, -1, h)
-    first = (md.query_start_loc[tile_seq] + jnp.minimum(tile_row, t)) * groups  # (NT,)
-    idx = jnp.minimum(first[:, None] + jnp.arange(rows, dtype=jnp.int32), t * groups - 1)
-    return folded[:, idx]  # (K, NT, rows, H)
+def aligned_tokens(groups: int, rows: int) -> int:
+    """Tokens of a tile whose `rows` folded rows are read from the 8-aligned row at or before
+    its first: the first lies up to 8 - gcd(G, 8) rows in, and its tokens fill the rest."""
+    return (rows - (ALIGN - math.gcd(groups, ALIGN))) // groups
 
 
-def unfold_tiles(out: jax.Array, md: AttentionMetadata, tokens: int, groups: int) -> jax.Array:
-    """(K, tiles, rows, H) per-tile outputs -> (T, K * G, H), each row from its own tile."""
+def tile_offsets(md: AttentionMetadata, tile_seq: jax.Array, tile_row: jax.Array,
+                 groups: int) -> jax.Array:
+    """(NT,) int32: each tile's first folded row less the 8-aligned row its read starts at."""
+    row0 = jnp.where(tile_row == _SKIP_ROW, 0, tile_row)  # unused tiles: any offset
+    first = (md.query_start_loc[tile_seq] + row0) * groups
+    return (first % ALIGN).astype(jnp.int32)
+
+
+def unfold_tiles(out: jax.Array, md: AttentionMetadata, tokens: int, groups: int,
+                 offsets: jax.Array | None = None) -> jax.Array:
+    """(K, tiles, rows, H) per-tile outputs -> (T, K * G, H), each row from its own tile;
+    a tile's rows start at its `offsets` entry (NT,) (default 0)."""
     kv_heads, num_tiles, _, h = out.shape
     tile, row = row_tiles(md, num_tiles, tokens)  # (T,) each
     rows = row[:, None] * groups + jnp.arange(groups, dtype=jnp.int32)  # (T, G)
+    if offsets is not None:
+        rows = rows + offsets[tile][:, None]
     out = out[:, tile[:, None], rows]  # (K, T, G, H)
     return out.transpose(1, 0, 2, 3).reshape(tile.shape[0], kv_heads * groups, h)

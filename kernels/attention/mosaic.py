@@ -6,13 +6,14 @@ page from HBM to shared memory without the threads, mbarriers to wait for it, an
 MMAs that read their operands from shared memory.
 
 **GQA folded into the tile's rows.** A program owns one (query tile, kv head). Its 64 rows (one
-warpgroup MMA's M) hold `64 // G` query tokens of one sequence times the G query heads that
-share the kv head: row r is token r // G, head r % G (metadata.py, shared with the
-Triton-lowered kernel). A decode step of one sequence fills G rows, and each page is read once
-per kv head. The wrapper gathers each tile's query rows into a slot of its own, so one bulk copy
-loads them from row 0: a copy into shared memory tiled by 8 rows must start on a multiple of 8,
-and a tile's first folded row, (start + row0) * G, often is not (G = 3: a decode's is 3 * its
-row). Its output goes to its own slot likewise, so no store is ragged.
+warpgroup MMA's M) hold query tokens of one sequence times the G query heads that share the kv
+head (row: token * G + head; metadata.py, shared with the Triton-lowered kernel). A decode step
+of one sequence fills G rows, and each page is read once per kv head. A bulk copy into shared
+memory tiled by 8 rows must start on a multiple of 8, and a tile's first folded row,
+(start + row0) * G, often does not (G = 3: a decode's is 3 * its row); so each program copies
+the 64 rows from the multiple of 8 at or before it, straight from the folded queries, and its
+tile holds as many tokens as fit after that lead (19 for G = 3, 57 for G = 1). Its output goes
+to a slot of its own, so no store is ragged.
 
 **Page walk.** A step of the loop covers `pages_per_step` pages (`pages_per_step * B` keys, the
 MMA's N for QK^T and K for PV); each page is a (B, H) box of the pool, found through the block
@@ -61,11 +62,14 @@ from jaxserve.kernels.attention.base import (
     pool_of_model_dtype,
 )
 from jaxserve.kernels.attention.metadata import (
+    ALIGN,
     AttentionMetadata,
+    aligned_tokens,
     check_attention_inputs,
+    fold_queries,
     folded_tiles,
     tile_extent,
-    tile_queries,
+    tile_offsets,
     unfold_tiles,
 )
 
@@ -106,7 +110,7 @@ def _kernel(
     bt_ref,  # (S, MB) int32: block tables
     layer_ref,  # (1,) int32: which layer of the pool to read
     window_ref,  # (1,) int32: keys a row sees, its own included (NO_WINDOW: all)
-    q_ref,  # (K, NT, 64, H): each tile's queries, folded (row: token * G + head)
+    q_ref,  # (K, R, H): the queries, folded (row: token * G + head), R >= T * G + 64
     k_ref,  # (L, P, B, K, H)
     v_ref,  # (L, P, B, K, H)
     o_ref,  # (K, NT, 64, H): each tile's rows
@@ -151,8 +155,13 @@ def _kernel(
     page, width = k_ref.shape[2], bt_ref.shape[1]
     rows, head_dim = q_smem.shape
     keys = page * pages_per_step  # keys per step of the walk
-    x = tile_extent(tile, rows // groups, tile_seq_ref, tile_row_ref, qsl_ref, ctx_ref)
+    tokens = aligned_tokens(groups, rows)
+    x = tile_extent(tile, tokens, tile_seq_ref, tile_row_ref, qsl_ref, ctx_ref)
     seq = x.seq
+    # the tile's rows are read from the aligned row at or before its first, `lead` rows in
+    first = (x.start + x.row0) * groups
+    aligned = lax.div(first, jnp.int32(ALIGN)) * ALIGN
+    lead = first - aligned
 
     @pl.when(x.active)
     def _():
@@ -172,7 +181,8 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(v_ref.at[layer, blk, :, kh, :], v_smem.at[slot, rows_p],
                                         v_bar.at[slot])
 
-        plgpu.copy_gmem_to_smem(q_ref.at[kh, tile], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[kh, pl.ds(pl.multiple_of(aligned, ALIGN), rows)],
+                                q_smem, q_bar)
         for i in range(num_stages):  # fill the ring
             pl.when(i < num_steps)(functools.partial(fetch, i, i))
         plgpu.barrier_wait(q_bar)
@@ -180,8 +190,11 @@ def _kernel(
         layout = plgpu.Layout.WGMMA
         row_ids = iota(jnp.int32, (rows, keys), 0, layout=layout)
         key_ids = iota(jnp.int32, (rows, keys), 1, layout=layout)
-        # position of each row's token (row r is token r // G); keys past it are masked
-        row_pos = x.first_pos + (row_ids // groups if groups > 1 else row_ids)
+        # position of each row's token (row r is token (r - lead) // G); keys past it are
+        # masked. The rows before `lead` and past the tile's tokens are others', never read.
+        # Divided as non-negative: `back` tokens earlier, every row's token index is >= 0.
+        back = -(-ALIGN // groups)
+        row_pos = (x.first_pos - back) + (row_ids + (back * groups - lead)) // groups
         row_of = lambda x: lax.broadcast_in_dim(x, (rows, keys), [0])  # noqa: E731
 
         def step_fn(step, carry):
@@ -287,7 +300,7 @@ def ragged_paged_attention_mosaic(
     if why:
         raise ValueError(f"attention_backend 'mosaic': {why}")
     scale = h**-0.5 if scale is None else scale
-    tokens = TILE_ROWS // groups
+    tokens = aligned_tokens(groups, TILE_ROWS)
     num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
     call = _build(num_tiles, kv_heads, h, q.dtype, groups=groups, page=page,
                   pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
@@ -295,9 +308,8 @@ def ragged_paged_attention_mosaic(
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
-               window, tile_queries(q, md, tile_seq, tile_row, kv_heads, TILE_ROWS), k_pages,
-               v_pages)  # (K, NT, 64, H)
-    return unfold_tiles(out, md, tokens, groups)
+               window, fold_queries(q, kv_heads, TILE_ROWS), k_pages, v_pages)  # (K, NT, 64, H)
+    return unfold_tiles(out, md, tokens, groups, tile_offsets(md, tile_seq, tile_row, groups))
 
 
 def _not_hopper(device=None) -> str | None:

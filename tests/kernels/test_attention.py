@@ -22,7 +22,16 @@ import pytest
 
 from jaxserve.kernels.attention.base import NO_WINDOW
 from jaxserve.kernels.attention.kv_write import write_kv
-from jaxserve.kernels.attention.metadata import folded_tiles, query_tiles, row_tiles, tile_queries
+from jaxserve.kernels.attention.metadata import (
+    ALIGN,
+    aligned_tokens,
+    fold_queries,
+    folded_tiles,
+    query_tiles,
+    row_tiles,
+    tile_offsets,
+    unfold_tiles,
+)
 from jaxserve.kernels.attention.mosaic import TILE_ROWS, ragged_paged_attention_mosaic
 from jaxserve.kernels.attention.pallas import ragged_paged_attention
 from jaxserve.kernels.attention.ragged import ragged_metadata
@@ -126,14 +135,14 @@ def test_xla_backend_walks_only_the_chunks_a_context_reaches(chunk_blocks, min_r
 
 
 @pytest.mark.parametrize("groups, dtype, head_dim, block_size", [
-    (3, "bfloat16", 64, 16),  # SmolLM2's 9 / 3 heads: 21 tokens of 3 heads fill 63 of 64 rows
+    (3, "bfloat16", 64, 16),  # SmolLM2's 9 / 3 heads: 19 tokens of 3 heads after a lead
     (1, "float16", 64, 8),
     (8, "bfloat16", 128, 16),
 ])
 def test_mosaic_matches_reference(groups, dtype, head_dim, block_size):
-    """The Hopper kernel in Pallas' GPU interpreter: ragged prefill chunks and decodes, tiles of
-    64 // G tokens, pages through the ring of shared-memory slots (contexts of 1 to 6 steps of
-    the walk, so slots are refilled)."""
+    """The Hopper kernel in Pallas' GPU interpreter: ragged prefill chunks and decodes, tiles
+    read from an 8-aligned row, pages through the ring of shared-memory slots (contexts of 1
+    to 6 steps of the walk, so slots are refilled)."""
     q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype,
                                block_size=block_size, head_dim=head_dim)
     want = ragged_paged_attention_reference(q, k, v, LAYER, md)
@@ -145,7 +154,8 @@ def test_mosaic_matches_reference(groups, dtype, head_dim, block_size):
 @pytest.mark.parametrize("seed", range(3))
 def test_mosaic_random_ragged_batches(seed):
     """G = 3 puts most tiles' first folded row off the 8-row tiling of shared memory (decode s
-    starts at row 3 * s): seed 0 is decodes only, the others mix decodes with prompt chunks."""
+    starts at row 3 * s, read from 8 * (3 * s // 8)): seed 0 is decodes only, the others mix
+    decodes with prompt chunks."""
     rng = np.random.default_rng(400 + seed)
     seqs = [(1, int(c)) for c in rng.integers(1, 90, int(rng.integers(5, 12)))]
     if seed:
@@ -226,23 +236,31 @@ def test_mosaic_sliding_window(window):
 
 
 @pytest.mark.parametrize("groups", [1, 3, 4, 8])
-def test_tile_queries_put_each_tile_at_row_zero_of_its_slot(groups):
-    """Row r of a tile's slot is folded row (start + row0) * G + r of the tile's kv head (token
-    r // G of the tile, head r % G) for every row of the tile's own tokens."""
-    seqs = [(1, 5), (1, 17), (7, 40), (30, 30), (1, 9)]
+def test_aligned_tile_reads_hold_each_tile_and_unfold_back(groups):
+    """The mosaic kernel reads a tile's TILE_ROWS folded rows from the multiple of 8 at or
+    before its first row: every tile's own rows lie inside that read, `tile_offsets` rows in,
+    and unfolding the reads (what an identity kernel would store) gives back every query row."""
+    seqs = [(1, 5), (1, 17), (7, 40), (30, 30), (1, 9), (61, 70), (1, 3)]
     q, _, _, md, t = make_case(groups, seqs, kv_heads=2, groups=groups, dtype="float32")
-    tokens = TILE_ROWS // groups
+    tokens = aligned_tokens(groups, TILE_ROWS)
     num_tiles, tile_seq, tile_row = folded_tiles(md, q.shape[0], tokens)
-    got = np.asarray(tile_queries(q, md, tile_seq, tile_row, 2, TILE_ROWS))
-    assert got.shape == (2, num_tiles, TILE_ROWS, q.shape[2])
-    qn, qsl = np.asarray(q), np.asarray(md.query_start_loc)
+    lead = np.asarray(tile_offsets(md, tile_seq, tile_row, groups))
+    folded = np.asarray(fold_queries(q, 2, TILE_ROWS))  # (K, R >= T * G + 64, H)
+    qsl = np.asarray(md.query_start_loc)
+    reads = np.zeros((2, num_tiles, TILE_ROWS, q.shape[2]), np.float32)
+    used = 0
     for i, (seq, row0) in enumerate(zip(np.asarray(tile_seq), np.asarray(tile_row), strict=True)):
         if row0 >= qsl[seq + 1] - qsl[seq]:
             continue  # an unused tile
-        r = np.arange(min(tokens, qsl[seq + 1] - qsl[seq] - row0) * groups)
-        token, head = qsl[seq] + row0 + r // groups, r % groups
-        for kh in range(2):
-            np.testing.assert_array_equal(got[kh, i, :r.size], qn[token, kh * groups + head])
+        first = (qsl[seq] + row0) * groups
+        assert lead[i] == first % ALIGN
+        own = min(tokens, qsl[seq + 1] - qsl[seq] - row0) * groups
+        assert lead[i] + own <= TILE_ROWS
+        reads[:, i] = folded[:, first - lead[i]:first - lead[i] + TILE_ROWS]
+        used += 1
+    assert used > len(seqs)  # some sequences span several tiles
+    got = np.asarray(unfold_tiles(jnp.asarray(reads), md, tokens, groups, jnp.asarray(lead)))
+    np.testing.assert_array_equal(got[:t], np.asarray(q)[:t])
 
 
 def test_mosaic_refuses_what_it_cannot_run():
