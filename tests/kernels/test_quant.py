@@ -18,6 +18,7 @@ from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.kernels import quant
 from jaxserve.models.llama import LAYER_BLOCKS
 from jaxserve.models.loader import default_model_path, load_model
+from jaxserve.testing.tiny import write_tiny_llama
 from tests.models.test_loader import _write_tiny_gguf
 
 
@@ -49,9 +50,37 @@ def test_each_kept_type_decodes_exactly(kind):
     assert lo <= blocks.q.min() and blocks.q.max() <= hi
 
 
+# Each type's float16 fields (byte offsets in its block); every other byte may be anything.
+HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes of a (rows, cols) tensor of `kind`: random codes, scales and bits, and
+    finite float16 scales of either sign and many magnitudes."""
+    rng = np.random.default_rng(seed)
+    size, per = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, (rows * cols // size, per), dtype=np.uint8)
+    for at in HALVES[kind]:
+        d = (rng.standard_normal(len(raw)) * 10.0 ** rng.integers(-6, 2, len(raw)))
+        raw[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_each_block_and_k_quant_type_decodes_exactly(kind):
+    """Random blocks (every code, sub-block scale and minimum bit pattern), decoded into blocks
+    of 32 along the row: bit for bit what gguf's own dequantize gives."""
+    raw = random_blocks(kind, 6, 512)
+    blocks = quant.decode(raw, kind, (6, 512))
+    want = gguf_dequantize(raw, gguf.GGMLQuantizationType[kind])
+    np.testing.assert_array_equal(blocks.dequantize(), want)
+    lo, hi = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q4_K": (0, 15), "Q5_K": (0, 31)}[kind]
+    assert blocks.q.min() == lo and blocks.q.max() == hi
+    assert blocks.scale.dtype == np.float32 and blocks.scale.shape == (6, 16)
+
+
 def test_types_and_shapes_not_kept():
-    raw = quantize(np.ones((4, 64), np.float32), gguf.GGMLQuantizationType.Q5_0)
-    assert quant.decode(raw, "Q5_0", (4, 64)) is None
+    assert quant.decode(random_blocks("Q6_K", 4, 256), "Q6_K", (4, 256)) is None  # 16-blocks
     assert quant.decode(np.zeros((4, 40), np.uint8), "Q8_0", (4, 40)) is None  # cols % 32
 
 
@@ -178,3 +207,54 @@ def test_the_default_embedding_comes_back_to_its_own_q8_blocks():
     np.testing.assert_array_equal(quant.dequantize_np(again), table.T)
     assert quant.requantize_q8(table[:, :48], 1) is None  # not whole blocks
     assert quant.requantize_q8(table * np.float32(1.0001), 1) is None
+
+
+# Every kept type that is not the default model's, on layer projections whose rows are whole
+# K-quant super-blocks (hidden 256, intermediate 512).
+K_MODEL_TYPES = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q5_K", "v_proj.weight": "Q5_0",
+                 "o_proj.weight": "Q5_1", "gate_proj.weight": "Q4_K", "up_proj.weight": "Q5_K",
+                 "down_proj.weight": "Q4_K"}
+
+
+@pytest.fixture(scope="module")
+def tiny_k_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-k")
+    (d / "hf").mkdir()
+    src = write_tiny_llama(d / "hf", 512, seed=3, hidden_size=256, intermediate_size=512)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    _write_tiny_gguf(d / "tiny-k.gguf", tensors, load_model(src).config, K_MODEL_TYPES)
+    return str(d / "tiny-k.gguf")
+
+
+def test_k_quant_model_keeps_its_blocks_and_matches_hf(tiny_k_gguf, caplog):
+    """A GGUF of K-quant and 5-bit projections: loaded without expanding any (no warning), and
+    the engine's greedy tokens equal HF transformers' on the same file (which dequantizes
+    them with gguf)."""
+    from jaxserve.testing.oracle import load_hf_model
+    from tests.models.test_hf_equivalence import hf_greedy
+
+    with caplog.at_level("WARNING", logger="jaxserve.models.loader"):
+        layers = load_model(tiny_k_gguf).params["layers"]
+    assert all(quant.is_quantized(layers[k]) for k in ("wq", "wk", "wv", "wo", "w_gate",
+                                                       "w_up", "w_down"))
+    assert "expanded to float32" not in caplog.text
+    engine, got = _run(tiny_k_gguf)
+    assert (engine.runner.block_matmul is not None) == (jax.default_backend() == "cpu")
+    hf = load_hf_model(tiny_k_gguf)
+    rng = np.random.default_rng(5)  # _run's prompts
+    for i, n in enumerate((5, 40, 17)):
+        prompt = rng.integers(3, 500, int(n)).tolist()
+        assert got[f"r{i}"][0] == hf_greedy(hf, prompt, 12), i
+
+
+def test_expanding_a_type_not_kept_warns_with_its_bytes(tmp_path, caplog):
+    """TQ2_0 (llama.cpp's ternary super-blocks) is one of the types expanded at load."""
+    src = write_tiny_llama(tmp_path, 512, seed=3, hidden_size=256, intermediate_size=512)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    _write_tiny_gguf(tmp_path / "q.gguf", tensors, load_model(src).config,
+                     {"down_proj.weight": "Q5_0", "up_proj.weight": "TQ2_0"})
+    with caplog.at_level("WARNING", logger="jaxserve.models.loader"):
+        params = load_model(str(tmp_path / "q.gguf")).params["layers"]
+    assert quant.is_quantized(params["w_down"]) and not quant.is_quantized(params["w_up"])
+    # 2 layers of (512, 256): 0.5 MB each as float32, 66 bytes per 256 values in the file
+    assert "TQ2_0 2 tensors, 0.1 MB in the file -> 1.0 MB" in caplog.text, caplog.text

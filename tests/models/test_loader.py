@@ -139,6 +139,32 @@ def test_gemma3_config_in_both_of_transformers_forms():
         ModelConfig.from_hf(base | {"hidden_activation": "relu"})
 
 
+def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
+    """Float rows (R, C), C a multiple of 256, as Q4_K or Q5_K bytes (R, C / 256 * size), the
+    way llama.cpp's simplest K-quantizer goes: per sub-block of 32 a scale and a minimum, each
+    a 6-bit multiple of its super-block's float16 d and dmin, and codes rounded to the grid."""
+    top = 15 if kind == "Q4_K" else 31
+    half = lambda a: a.astype(np.float16)  # noqa: E731
+    b = np.asarray(w, np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(b.min(-1), 0), np.maximum(b.max(-1), 0)
+    d, dmin = half((hi - lo).max(-1) / top / 63), half((-lo).max(-1) / 63)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.rint((hi - lo) / top / df)), 0, 63).astype(np.uint8)
+        m = np.clip(np.nan_to_num(np.rint(-lo / dminf)), 0, 63).astype(np.uint8)
+        step = (df * sc)[..., None]
+        q = np.clip(np.nan_to_num(np.rint((b + (dminf * m)[..., None]) / step)), 0, top)
+    q = q.astype(np.uint8)  # (n, 8, 32)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+                             m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(-1, 128)
+    parts = [d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), scales]
+    if kind == "Q5_K":  # bit s of byte i: the fifth bit of value i of sub-block s
+        parts.append(sum(((q[:, s] >> 4) & 1) << s for s in range(8)).astype(np.uint8))
+    return np.concatenate([*parts, qs], axis=1).reshape(w.shape[0], -1)
+
+
 def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
                      qtypes: dict[str, str] | None = None, arch: str = "llama") -> None:
     """A GGUF as llama.cpp's converter writes it: `arch`, for llama q/k rows permuted for its
@@ -196,7 +222,8 @@ def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
             w.add_tensor(out, arr)
         else:
             kind = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(out, quantize(arr, kind), raw_dtype=kind)
+            raw = quantize_k(arr, qtype) if qtype.endswith("_K") else quantize(arr, kind)
+            w.add_tensor(out, raw, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
