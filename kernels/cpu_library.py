@@ -32,9 +32,11 @@ TARGETS = {
     "jaxserve_block_matmul": "BlockMatmul",
     "jaxserve_block_matmul_q4": "BlockMatmulQ4",
     "jaxserve_block_matmul_q8": "BlockMatmulQ8",
+    "jaxserve_block_matmul_q8h": "BlockMatmulQ8H",
     "jaxserve_grouped_block_matmul": "GroupedBlockMatmul",
     "jaxserve_grouped_block_matmul_q4": "GroupedBlockMatmulQ4",
     "jaxserve_grouped_block_matmul_q8": "GroupedBlockMatmulQ8",
+    "jaxserve_grouped_block_matmul_q8h": "GroupedBlockMatmulQ8H",
 }
 # -ffp-contract=off: a product and a sum fuse into an FMA only where the source says so, never
 # by the compiler's choice per call site, which could round a row differently in two code paths.

@@ -12,9 +12,10 @@ its block's largest; the engine's greedy tokens still equal HF transformers'
 
 The runner gives it Q4 weights in their nibble form (`pack`, quant.pack_nibbles): half the
 bytes, each panel of 32 outputs one contiguous stream, and a pair of rows widened to int16 by a
-zero-extension, a mask and a shift; Q8 weights in their pair form (quant.pack_pairs), one
-stream per panel too. The file comment of `cpu/block_matmul.cc` says when the kernel widens
-codes in registers and when it tiles.
+zero-extension, a mask and a shift; other codes in their pair form (quant.pack_pairs), one
+stream per panel too, with blocks of 32 rows of k or Q6_K's 16 (`TARGET_PAIRS_HALF`). The file
+comment of `cpu/block_matmul.cc` says when the kernel widens codes in registers and when it
+tiles.
 
 Weights that multiply the same x go to the kernel as one group (`block_matmul_group`: a layer's
 q, k and v, its gate and up): x is scaled once and all their panels are shared out in one pass,
@@ -35,6 +36,7 @@ from jaxserve.kernels.cpu_library import library
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
 TARGET_PAIRS = "jaxserve_block_matmul_q8"  # the pair form (quant.pack_pairs)
+TARGET_PAIRS_HALF = "jaxserve_block_matmul_q8h"  # the pair form of blocks of 16 (Q6_K's)
 PANEL = quant.PANEL  # columns of y per work item: N must be a multiple
 GROUPED = "jaxserve_grouped_"  # + a form's target: experts' rows grouped (grouped_block_matmul)
 
@@ -70,12 +72,15 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
                     and w["q4"].shape[lead:] == (n // PANEL, k // 2, PANEL // 4)
                     and w["scale"].shape[lead:] == w["min"].shape[lead:]
                     == (*scales[:2], PANEL // 2))
+        halves = (n // PANEL, k // quant.HALF_BLOCK, PANEL)
         return (w["q8"].dtype == jnp.uint32
                 and w["q8"].shape[lead:] == (n // PANEL, k // 2, PANEL // 2)
-                and all(w[p].dtype == jnp.float32 and w[p].shape[lead:] == scales
-                        for p in ("scale", "min")))
+                and any(all(w[p].dtype == jnp.float32 and w[p].shape[lead:] == form
+                            for p in ("scale", "min")) for form in (scales, halves)))
     if w["scale"].dtype != jnp.float32 or (shape is not None
                                            and w["q"].shape[lead:] != tuple(shape)):
+        return False
+    if quant.block_of(w) != quant.BLOCK:  # blocks of 16 are read in the pair form alone
         return False
     outputs = math.prod(w["q"].shape[lead + contract:])
     return quant.block_axis(w) == lead + contract - 1 and outputs % PANEL == 0
@@ -111,7 +116,8 @@ def _form(w: Mapping) -> tuple[str, list[str]]:
     if quant.is_nibbles(w):
         return TARGET_NIBBLES, ["q4", "scale", "min"]
     if quant.is_packed(w):
-        return TARGET_PAIRS, ["q8", "scale", "min"]
+        target = TARGET_PAIRS if quant.pair_block(w) == quant.BLOCK else TARGET_PAIRS_HALF
+        return target, ["q8", "scale", "min"]
     return TARGET, ["q", "scale", "min"]
 
 

@@ -14,7 +14,10 @@ The K-quants Q4_K and Q5_K group 8 such blocks into a super-block of 256 with fl
 dmin, and give each block 6-bit integers sc and m: w = (d * sc) * q - dmin * m, q a nibble
 (Q4_K) or 5 bits (Q5_K). Their blocks are kept the same way, with scale d * sc and minimum
 -(dmin * m): both products are exact in float32 (11 by 6 significant bits), so they are block
-types of float32 scales. Q6_K's scales cover 16 values, not 32; it and the other types are
+types of float32 scales. Q6_K's super-block has 16 sub-blocks of 16 values, w = (d * sc) * q
+with sc an int8 and q in [-32, 31]: kept as blocks of 16 (scale d * sc, exact, minimum 0).
+A stack of layers mixing Q6_K with other types takes the others as blocks of 16 too (each
+scale and minimum twice: the same weights). The other types (Q2_K, Q3_K, IQ*, TQ*, ...) are
 expanded to float32 at load (models/loader.py warns with the bytes that costs).
 
 We keep q as int8 (the nibble types shifted to their signed value) and d, m as float32, and form
@@ -52,6 +55,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 BLOCK = 32
+HALF_BLOCK = 16  # Q6_K's scales cover 16 values: blocks of 16 along the same axis
 PLANES = ("q", "scale", "min")
 NIBBLE_PLANES = ("q4", "scale", "min")  # pack_nibbles' form
 PAIR_PLANES = ("q8", "scale", "min")  # pack_pairs' form
@@ -60,12 +64,12 @@ PANEL = 32  # outputs per panel of the nibble form: the CPU block matmul's work 
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """An HF-layout matrix (rows = outputs, cols = inputs) in GGUF blocks along the columns:
-    w[r, c] = q[r, c] * scale[r, c // 32] + min[r, c // 32]."""
+    """An HF-layout matrix (rows = outputs, cols = inputs) in GGUF blocks of B (32, or 16
+    for Q6_K's) along the columns: w[r, c] = q[r, c] * scale[r, c // B] + min[r, c // B]."""
 
     q: np.ndarray  # int8 (rows, cols)
-    scale: np.ndarray  # float32 (rows, cols / 32)
-    min: np.ndarray  # float32 (rows, cols / 32)
+    scale: np.ndarray  # float32 (rows, cols / B)
+    min: np.ndarray  # float32 (rows, cols / B)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -85,6 +89,17 @@ class Blocks:
 
     def dequantize(self) -> np.ndarray:
         return dequantize_np(self.planes())
+
+    @property
+    def block(self) -> int:
+        return self.q.shape[-1] // self.scale.shape[-1]
+
+    def halved(self) -> Blocks:
+        """The same weights in blocks of 16: each scale and minimum twice. A stack of layers
+        of which some are Q6_K takes its other layers this way."""
+        if self.block == HALF_BLOCK:
+            return self
+        return Blocks(self.q, *(np.repeat(a, 2, axis=-1) for a in (self.scale, self.min)))
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -150,11 +165,28 @@ def _decode_k(blocks: np.ndarray, type_name: str):
     return q.reshape(-1, BLOCK), (d * sc).reshape(-1), (-(dmin * m)).reshape(-1)
 
 
+def _decode_q6_k(blocks: np.ndarray, type_name: str):
+    """Q6_K's super-blocks of 256 (n, 210 bytes: 128 of low nibbles, 64 of high 2-bit pairs,
+    16 int8 scales, float16 d) -> 16 sub-blocks of 16 each: codes (16n, 16) in [-32, 31],
+    scale d * sc (16n,) (exact: 11 by 8 significant bits), minimum 0. Each half of 128 values
+    takes 64 bytes of low nibbles (values 0-63 low, 64-127 high) and 32 bytes of high bits
+    (values 32j + i in bits 2j and 2j + 1 of byte i)."""
+    low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+        1, 1, 4, 1)
+    q = ((low & 15).reshape(-1, 8, 32) | ((high & 3).reshape(-1, 8, 32) << 4)).astype(np.int16)
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # (n, 16)
+    d = _half(blocks[:, 208:210])[:, None]
+    scale = (d * sc).reshape(-1)
+    return (q - 32).reshape(-1, HALF_BLOCK), scale, np.zeros_like(scale)
+
+
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # blocks of 32 values
-K_TYPES = ("Q4_K", "Q5_K")  # super-blocks of 256, sub-blocks of 32
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256: sub-blocks of 32 (Q6_K's of 16)
 KEPT_TYPES = BLOCK_TYPES + K_TYPES
 SUPER = 256
-_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176}
+_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176,
+          "Q6_K": 210}
 
 
 def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | None:
@@ -167,9 +199,12 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | 
     rows, cols = shape
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // per_block,
                                                                 _BYTES[type_name])
-    q, d, m = (_decode_k if type_name in K_TYPES else _decode_block32)(blocks, type_name)
-    return Blocks(q.astype(np.int8).reshape(rows, cols), d.reshape(rows, cols // BLOCK),
-                  m.astype(np.float32).reshape(rows, cols // BLOCK))
+    decoder = (_decode_q6_k if type_name == "Q6_K" else
+               _decode_k if type_name in K_TYPES else _decode_block32)
+    q, d, m = decoder(blocks, type_name)
+    block = q.shape[-1]
+    return Blocks(q.astype(np.int8).reshape(rows, cols), d.reshape(rows, cols // block),
+                  m.astype(np.float32).reshape(rows, cols // block))
 
 
 def is_quantized(w) -> bool:
@@ -185,27 +220,39 @@ def is_pairs(w: Mapping) -> bool:
     return "q8" in w
 
 
+def pair_block(w: Mapping) -> int:
+    """Values per block of a weight in the pair form: 32, or 16 (its scale plane is
+    (..., N / 32, K / B, 32) and its codes (..., N / 32, K / 2, 16) words)."""
+    return 2 * w["q8"].shape[-2] // w["scale"].shape[-2]
+
+
 def is_packed(w: Mapping) -> bool:
     """In one of the kernel's panel forms (nibbles or pairs), which need the weight's shape."""
     return is_nibbles(w) or is_pairs(w)
 
 
 def block_axis(w: Mapping) -> int:
-    """The axis along which scale is BLOCK times shorter than q (the int8 form)."""
+    """The axis along which scale is 32 (or 16) times shorter than q (the int8 form)."""
     q, s = w["q"].shape, w["scale"].shape
     axes = [i for i, (a, b) in enumerate(zip(q, s, strict=True)) if a != b]
-    if len(axes) != 1 or q[axes[0]] != s[axes[0]] * BLOCK:
+    if len(axes) != 1 or q[axes[0]] not in (s[axes[0]] * BLOCK, s[axes[0]] * HALF_BLOCK):
         raise ValueError(f"quantized weight planes of shapes q {q} and scale {s} do not "
-                         f"differ by {BLOCK}x along exactly one axis")
+                         f"differ by {BLOCK}x (or {HALF_BLOCK}x) along exactly one axis")
     return axes[0]
+
+
+def block_of(w: Mapping) -> int:
+    """Values per block of an int8-form weight: 32, or 16."""
+    ax = block_axis(w)
+    return w["q"].shape[ax] // w["scale"].shape[ax]
 
 
 def _dequantize(w: Mapping, xp):
     """q * scale + min in float32, with xp (numpy or jax.numpy) broadcasting each block's scale
-    and minimum over its 32 values."""
-    ax = block_axis(w)
+    and minimum over its values."""
+    ax, block = block_axis(w), block_of(w)
     q = w["q"]
-    split = q.shape[:ax] + (q.shape[ax] // BLOCK, BLOCK) + q.shape[ax + 1:]
+    split = q.shape[:ax] + (q.shape[ax] // block, block) + q.shape[ax + 1:]
     s, m = xp.expand_dims(w["scale"], ax + 1), xp.expand_dims(w["min"], ax + 1)
     return (q.reshape(split).astype(np.float32) * s + m).reshape(q.shape)
 
@@ -223,7 +270,7 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
     32) float16, each held as uint32 words (last axis 8, 16, 16): XLA:CPU slices a scanned
     model's layer out of the stacks a word at a time, much faster than byte by byte."""
     dims = _panel_dims(w, batch_dims)
-    if dims is None:
+    if dims is None or block_of(w) != BLOCK:
         return None
     q, lead, k, n = dims
     scale = np.asarray(w["scale"], np.float32)
@@ -267,14 +314,14 @@ def _panel_dims(w: Mapping, batch_dims: int):
     return None if n % PANEL else (q, q.shape[:batch_dims], k, n)
 
 
-def _scale_panels(a: np.ndarray, lead: tuple, k: int, n: int) -> np.ndarray:
-    """(..., K / 32, N) scales or minima -> (..., N / PANEL, K / 32, PANEL), panel by panel."""
-    a = a.reshape(*lead, k // BLOCK, n // PANEL, PANEL)
+def _scale_panels(a: np.ndarray, lead: tuple, k: int, n: int, block: int = BLOCK) -> np.ndarray:
+    """(..., K / B, N) scales or minima -> (..., N / PANEL, K / B, PANEL), panel by panel."""
+    a = a.reshape(*lead, k // block, n // PANEL, PANEL)
     return np.ascontiguousarray(np.swapaxes(a, len(lead), len(lead) + 1))
 
 
 def _scales_back(a, scale_shape: tuple, xp):
-    """_scale_panels' (N / PANEL, K / 32, PANEL) back in the weight's layout, as float32."""
+    """_scale_panels' (N / PANEL, K / B, PANEL) back in the weight's layout, as float32."""
     return xp.swapaxes(a, 0, 1).reshape(scale_shape).astype(np.float32)
 
 
@@ -282,19 +329,21 @@ def pack_pairs(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | None:
     """A quantized weight (numpy; first `batch_dims` axes stacked layers) in the pair form, or
     None where its outputs are not whole panels of 32. Per stacked layer: q8 (N / 32, K / 2,
     64) int8, byte 2c + e of pair kp of panel p the code of row 2kp + e, column 32p + c, held
-    as uint32 words (last axis 16); scale and min (N / 32, K / 32, 32) float32. Any codes
-    (Q8_0's, Q4's) hold exactly; pack_nibbles is the smaller form where it applies."""
+    as uint32 words (last axis 16); scale and min (N / 32, K / B, 32) float32, B the
+    weight's block (32, or Q6_K's 16). Any codes (Q8_0's, Q4's) hold exactly; pack_nibbles is
+    the smaller form where it applies."""
     dims = _panel_dims(w, batch_dims)
     if dims is None:
         return None
     q, lead, k, n = dims
+    block = block_of(w)
     b = len(lead)
     # (kp, e, p, c) -> (p, kp, c, e)
     q8 = q.astype(np.int8).reshape(*lead, k // 2, 2, n // PANEL, PANEL)
     q8 = q8.transpose(*range(b), b + 2, b, b + 3, b + 1).reshape(*lead, n // PANEL, k // 2,
                                                                 2 * PANEL)
     return {"q8": np.ascontiguousarray(q8).view(np.uint32),
-            **{name: _scale_panels(np.asarray(w[name], np.float32), lead, k, n)
+            **{name: _scale_panels(np.asarray(w[name], np.float32), lead, k, n, block)
                for name in ("scale", "min")}}
 
 
@@ -304,7 +353,8 @@ def unpack_pairs(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
     n, k = q8.shape[0] * PANEL, q8.shape[1] * 2
     ax = _contracted_axis(shape, k, n, q8.shape == (n // PANEL, k // 2, 2 * PANEL), "pair")
     q = q8.reshape(n // PANEL, k // 2, PANEL, 2).transpose(1, 3, 0, 2).reshape(shape)
-    scale_shape = (*shape[:ax], shape[ax] // BLOCK, *shape[ax + 1:])
+    block = k // w["scale"].shape[1]  # 32, or 16
+    scale_shape = (*shape[:ax], shape[ax] // block, *shape[ax + 1:])
     return {"q": q, **{name: _scales_back(w[name], scale_shape, xp) for name in ("scale", "min")}}
 
 

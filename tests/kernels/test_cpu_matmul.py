@@ -31,9 +31,10 @@ def make_weight(rng, shape, block_axis, kind="Q4_1"):
     Q4_1 nibbles with a minimum, Q4_0 ones (-8 to 7) without, Q8_0 codes without one, Q5_0
     (-16 to 15) and Q5_1 (0 to 31) codes, or a K-quant's sub-blocks (Q4_K's 0 to 15, Q5_K's
     0 to 31) whose scale d * sc and minimum -(dmin * m) are float32 products of a float16
-    and a 6-bit integer (quant.decode makes them so)."""
+    and a 6-bit integer (quant.decode makes them so), or Q6_K's blocks of 16 (-32 to 31, d * sc
+    with sc an int8, no minimum)."""
     scale_shape = list(shape)
-    scale_shape[block_axis] //= quant.BLOCK
+    scale_shape[block_axis] //= quant.HALF_BLOCK if kind == "Q6_K" else quant.BLOCK
     half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
     if kind in ("Q4_1", "Q5_1"):
         q = rng.integers(0, 16 if kind == "Q4_1" else 32, shape)
@@ -41,6 +42,12 @@ def make_weight(rng, shape, block_axis, kind="Q4_1"):
     elif kind in ("Q4_0", "Q5_0"):
         q = rng.integers(-8, 8, shape) if kind == "Q4_0" else rng.integers(-16, 16, shape)
         m = np.zeros(scale_shape, np.float32)
+    elif kind == "Q6_K":
+        q = rng.integers(-32, 32, shape)
+        sc = rng.integers(-128, 128, scale_shape)
+        s = (half(rng.random(scale_shape) * 1e-4 + 1e-6) * sc).astype(np.float32)
+        m = np.zeros(scale_shape, np.float32)
+        return {"q": jnp.asarray(q, jnp.int8), "scale": jnp.asarray(s), "min": jnp.asarray(m)}
     elif kind in ("Q4_K", "Q5_K"):
         q = rng.integers(0, 16 if kind == "Q4_K" else 32, shape)
         sc, mins = rng.integers(0, 64, scale_shape), rng.integers(0, 64, scale_shape)
@@ -79,9 +86,11 @@ def in_form(w, form):
 
 
 # (kind, form) pairs: Q8_0's and the 5-bit codes have no nibble form, nor Q4_K's float32 scales.
+# Q6_K's blocks of 16 are read in the pair form alone.
 CASES = [("Q4_1", "int8"), ("Q4_1", "nibbles"), ("Q4_1", "pairs"), ("Q4_0", "int8"),
          ("Q4_0", "nibbles"), ("Q8_0", "int8"), ("Q8_0", "pairs"), ("Q5_0", "pairs"),
-         ("Q5_1", "pairs"), ("Q4_K", "int8"), ("Q4_K", "pairs"), ("Q5_K", "pairs")]
+         ("Q5_1", "pairs"), ("Q4_K", "int8"), ("Q4_K", "pairs"), ("Q5_K", "pairs"),
+         ("Q6_K", "pairs")]
 
 
 def expanded(w, contract):
@@ -90,10 +99,10 @@ def expanded(w, contract):
     return wf.reshape(int(np.prod(wf.shape[:contract])), -1)
 
 
-def int16_rows(x):
-    """x (M, K) as the kernel scales it, in float64: per block of 32, round(x * 32767 / amax)
-    * amax / 32767, each step in float32 as the C++ does."""
-    xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, quant.BLOCK)
+def int16_rows(x, block=quant.BLOCK):
+    """x (M, K) as the kernel scales it, in float64: per block of 32 (or of the weight's 16),
+    round(x * 32767 / amax) * amax / 32767, each step in float32 as the C++ does."""
+    xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, block)
     amax = np.abs(xb).max(-1, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
@@ -110,7 +119,8 @@ def expected(x, w, contract):
     shape = np.asarray(w["q"]).shape
     qs = expanded({**w, "min": np.zeros_like(w["min"])}, contract)  # q * scale: exact
     m = expanded({**w, "scale": np.zeros_like(w["scale"])}, contract)  # min, spread over k
-    out = int16_rows(x) @ qs + np.asarray(x, np.float64) @ m
+    block = quant.block_of({k: np.asarray(a) for k, a in w.items()})
+    out = int16_rows(x, block) @ qs + np.asarray(x, np.float64) @ m
     return out.reshape(x.shape[0], *shape[contract:])
 
 
@@ -411,7 +421,7 @@ def test_the_paths_of_cpus_with_fewer_instructions(name, monkeypatch):
     this CPU's does, rows around each path's tiles, and keeps a row's numbers whatever the
     other rows are (CI's CPU may have AVX-512, so its own path never runs them)."""
     names = fewer_targets(name)
-    for attr in ("TARGET", "TARGET_NIBBLES", "TARGET_PAIRS"):
+    for attr in ("TARGET", "TARGET_NIBBLES", "TARGET_PAIRS", "TARGET_PAIRS_HALF"):
         monkeypatch.setattr(cpu_matmul, attr, names[getattr(cpu_matmul, attr)])
     rng = np.random.default_rng(11)
     for kind, form in CASES:

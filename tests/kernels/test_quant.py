@@ -66,21 +66,25 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_each_block_and_k_quant_type_decodes_exactly(kind):
     """Random blocks (every code, sub-block scale and minimum bit pattern), decoded into blocks
-    of 32 along the row: bit for bit what gguf's own dequantize gives."""
+    of 32 (Q6_K: 16) along the row: bit for bit what gguf's own dequantize gives."""
     raw = random_blocks(kind, 6, 512)
     blocks = quant.decode(raw, kind, (6, 512))
     want = gguf_dequantize(raw, gguf.GGMLQuantizationType[kind])
     np.testing.assert_array_equal(blocks.dequantize(), want)
-    lo, hi = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q4_K": (0, 15), "Q5_K": (0, 31)}[kind]
+    lo, hi = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q4_K": (0, 15), "Q5_K": (0, 31),
+              "Q6_K": (-32, 31)}[kind]
     assert blocks.q.min() == lo and blocks.q.max() == hi
-    assert blocks.scale.dtype == np.float32 and blocks.scale.shape == (6, 16)
+    block = 16 if kind == "Q6_K" else 32
+    assert blocks.scale.dtype == np.float32 and blocks.scale.shape == (6, 512 // block)
+    assert blocks.block == block
+    np.testing.assert_array_equal(blocks.halved().dequantize(), want)  # as blocks of 16
 
 
 def test_types_and_shapes_not_kept():
-    assert quant.decode(random_blocks("Q6_K", 4, 256), "Q6_K", (4, 256)) is None  # 16-blocks
+    assert quant.decode(np.zeros((4, 66), np.uint8), "TQ2_0", (4, 256)) is None
     assert quant.decode(np.zeros((4, 40), np.uint8), "Q8_0", (4, 40)) is None  # cols % 32
 
 
@@ -112,7 +116,7 @@ def test_expanding_in_the_step_matches_numpy(shape, axis):
 def test_planes_that_do_not_differ_by_a_block_are_refused():
     bad = {"q": np.zeros((64, 8), np.int8), "scale": np.zeros((64, 8), np.float32),
            "min": np.zeros((64, 8), np.float32)}
-    with pytest.raises(ValueError, match="32x along exactly one axis"):
+    with pytest.raises(ValueError, match=r"32x \(or 16x\) along exactly one axis"):
         quant.block_axis(bad)
 
 
@@ -211,9 +215,12 @@ def test_the_default_embedding_comes_back_to_its_own_q8_blocks():
 
 # Every kept type that is not the default model's, on layer projections whose rows are whole
 # K-quant super-blocks (hidden 256, intermediate 512).
-K_MODEL_TYPES = {"q_proj.weight": "Q4_K", "k_proj.weight": "Q5_K", "v_proj.weight": "Q5_0",
-                 "o_proj.weight": "Q5_1", "gate_proj.weight": "Q4_K", "up_proj.weight": "Q5_K",
-                 "down_proj.weight": "Q4_K"}
+# As in a Q4_K_M file, one layer's down and v projections are Q6_K and the other's are not:
+# their stacks keep blocks of 16.
+K_MODEL_TYPES = {"layers.1.mlp.down_proj.weight": "Q6_K", "layers.0.self_attn.v_proj.weight":
+                 "Q6_K", "q_proj.weight": "Q4_K", "k_proj.weight": "Q5_K",
+                 "v_proj.weight": "Q5_0", "o_proj.weight": "Q5_1", "gate_proj.weight": "Q4_K",
+                 "up_proj.weight": "Q6_K", "down_proj.weight": "Q4_K"}
 
 
 @pytest.fixture(scope="module")
@@ -227,9 +234,9 @@ def tiny_k_gguf(tmp_path_factory):
 
 
 def test_k_quant_model_keeps_its_blocks_and_matches_hf(tiny_k_gguf, caplog):
-    """A GGUF of K-quant and 5-bit projections: loaded without expanding any (no warning), and
-    the engine's greedy tokens equal HF transformers' on the same file (which dequantizes
-    them with gguf)."""
+    """A GGUF of K-quant and 5-bit projections, some stacks mixing Q6_K layers with others:
+    loaded without expanding any (no warning), and the engine's greedy tokens equal HF
+    transformers' on the same file (which dequantizes them with gguf)."""
     from jaxserve.testing.oracle import load_hf_model
     from tests.models.test_hf_equivalence import hf_greedy
 
@@ -238,8 +245,18 @@ def test_k_quant_model_keeps_its_blocks_and_matches_hf(tiny_k_gguf, caplog):
     assert all(quant.is_quantized(layers[k]) for k in ("wq", "wk", "wv", "wo", "w_gate",
                                                        "w_up", "w_down"))
     assert "expanded to float32" not in caplog.text
+    assert quant.block_of(layers["w_down"]) == quant.block_of(layers["wv"]) == 16
+    assert quant.block_of(layers["w_gate"]) == 32
     engine, got = _run(tiny_k_gguf)
     assert (engine.runner.block_matmul is not None) == (jax.default_backend() == "cpu")
+    if engine.runner.block_matmul is not None:  # the kernel reads the blocks of 16 in place
+        from jaxserve.kernels import cpu_matmul
+
+        held = {**engine.runner.params["layers"], **engine.runner.params.get(LAYER_BLOCKS, {})}
+        cfg = engine.runner.model_config
+        shape = (cfg.intermediate_size, cfg.hidden_size)
+        assert cpu_matmul._form(held["w_down"])[0] == cpu_matmul.TARGET_PAIRS_HALF
+        assert cpu_matmul.fits(held["w_down"], 1, shape, stacked=True)
     hf = load_hf_model(tiny_k_gguf)
     rng = np.random.default_rng(5)  # _run's prompts
     for i, n in enumerate((5, 40, 17)):

@@ -165,6 +165,24 @@ def quantize_k(w: np.ndarray, kind: str) -> np.ndarray:
     return np.concatenate([*parts, qs], axis=1).reshape(w.shape[0], -1)
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Float rows (R, C), C a multiple of 256, as Q6_K bytes (R, C / 256 * 210): per sub-block
+    of 16 an int8 scale times the super-block's float16 d, codes -32 to 31 stored + 32."""
+    b = np.asarray(w, np.float32).reshape(-1, 16, 16)
+    step = np.abs(b).max(-1) / 32  # (n, 16)
+    d = (np.abs(step).max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.rint(step / df)), -128, 127).astype(np.int8)
+        q = np.nan_to_num(np.rint(b / (df * sc)[..., None]))
+    u = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128
+    low = (u[..., :64] & 15) | ((u[..., 64:] & 15) << 4)  # (n, 2, 64)
+    high = sum(((u[..., 32 * j:32 * j + 32] >> 4) & 3) << (2 * j) for j in range(4))
+    return np.concatenate([low.reshape(-1, 128), high.astype(np.uint8).reshape(-1, 64),
+                           sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)],
+                          axis=1).reshape(w.shape[0], -1)
+
+
 def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
                      qtypes: dict[str, str] | None = None, arch: str = "llama") -> None:
     """A GGUF as llama.cpp's converter writes it: `arch`, for llama q/k rows permuted for its
@@ -222,7 +240,8 @@ def _write_tiny_gguf(path, tensors: dict[str, np.ndarray], cfg: ModelConfig,
             w.add_tensor(out, arr)
         else:
             kind = gguf.GGMLQuantizationType[qtype]
-            raw = quantize_k(arr, qtype) if qtype.endswith("_K") else quantize(arr, kind)
+            raw = (quantize_q6_k(arr) if qtype == "Q6_K" else quantize_k(arr, qtype)
+                   if qtype.endswith("_K") else quantize(arr, kind))
             w.add_tensor(out, raw, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
