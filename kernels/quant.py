@@ -92,14 +92,21 @@ class Blocks:
 
     @property
     def block(self) -> int:
-        return self.q.shape[-1] // self.scale.shape[-1]
+        return block_of(self.planes())
 
     def halved(self) -> Blocks:
-        """The same weights in blocks of 16: each scale and minimum twice. A stack of layers
-        of which some are Q6_K takes its other layers this way."""
+        """The same weights in blocks of 16: each scale and minimum twice."""
         if self.block == HALF_BLOCK:
             return self
         return Blocks(self.q, *(np.repeat(a, 2, axis=-1) for a in (self.scale, self.min)))
+
+
+def one_block(blocks: list[Blocks]) -> list[Blocks]:
+    """Weights to stack, in one block length: where some are Q6_K's blocks of 16 (a Q4_K_M
+    file's `ffn_down` and `attn_v` mix them with Q4_K layers), all of them as blocks of 16."""
+    if len({b.block for b in blocks}) > 1:
+        return [b.halved() for b in blocks]
+    return blocks
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -353,8 +360,7 @@ def unpack_pairs(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
     n, k = q8.shape[0] * PANEL, q8.shape[1] * 2
     ax = _contracted_axis(shape, k, n, q8.shape == (n // PANEL, k // 2, 2 * PANEL), "pair")
     q = q8.reshape(n // PANEL, k // 2, PANEL, 2).transpose(1, 3, 0, 2).reshape(shape)
-    block = k // w["scale"].shape[1]  # 32, or 16
-    scale_shape = (*shape[:ax], shape[ax] // block, *shape[ax + 1:])
+    scale_shape = (*shape[:ax], shape[ax] // pair_block(w), *shape[ax + 1:])
     return {"q": q, **{name: _scales_back(w[name], scale_shape, xp) for name in ("scale", "min")}}
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.kernels.quant import BLOCK, KEPT_TYPES, PLANES, Blocks
+from jaxserve.kernels.quant import BLOCK, KEPT_TYPES, PLANES, Blocks, one_block
 from jaxserve.kernels.quant import decode as decode_blocks
 from jaxserve.models import cache, moe
 from jaxserve.models.config import ModelConfig
@@ -177,7 +177,7 @@ def _convert_gguf(file: str) -> LoadedModel:
     meta = {k: f.contents() for k, f in reader.fields.items() if k not in big}
     cfg = _gguf_config(meta, file)
     tensors = {}
-    expanded: dict[str, list[int]] = {}  # quantized type -> [tensors, their float32 bytes]
+    expanded: dict[str, list[int]] = {}  # type -> [tensors, float32 bytes, bytes in the file]
     for t in reader.tensors:
         name = _gguf_to_hf_name(t.name)
         if name is None:
@@ -196,7 +196,8 @@ def _convert_gguf(file: str) -> LoadedModel:
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             if t.tensor_type.name not in KEPT_TYPES + ("F32", "F16", "BF16"):
                 seen = expanded.setdefault(t.tensor_type.name, [0, 0, 0])
-                seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + arr.nbytes, seen[2] + t.n_bytes
+                for i, add in enumerate((1, arr.nbytes, t.n_bytes)):
+                    seen[i] += add
         # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it
         # so the HF rotate-half RoPE applies.
         if meta["general.architecture"] in ("llama", "mistral"):
@@ -373,8 +374,7 @@ def hf_to_params(
         the others' are taken as blocks of 16 too (the same weights)."""
         ws = [tensors[f"model.layers.{i}.{suffix}"] for i in range(cfg.num_layers)]
         if blocks_fit and all(isinstance(w, Blocks) for w in ws):
-            if len({w.block for w in ws}) > 1:
-                ws = [w.halved() for w in ws]
+            ws = one_block(ws)
             return {k: np.stack([fn(getattr(w, k)) for w in ws]) for k in PLANES}
         ws = [w.dequantize() if isinstance(w, Blocks) else w for w in ws]
         return np.stack([fn(w) for w in ws])

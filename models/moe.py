@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.quant import PLANES, Blocks, dequantize
+from jaxserve.kernels.quant import PLANES, Blocks, dequantize, one_block
 from jaxserve.models.config import ModelConfig
 
 # (x (T, D), weights (T, k), experts (T, k), w_gate (E, D, F), w_up (E, D, F), w_down (E, F, D))
@@ -199,8 +199,8 @@ def expert_params(cfg: ModelConfig, tensors: dict) -> dict:
         ts = [[tensors[f"model.layers.{i}.mlp.experts.{j}.{proj}.weight"]
                for j in range(cfg.num_experts)] for i in range(cfg.num_layers)]
         if all(isinstance(t, Blocks) for row in ts for t in row):
-            if len({t.block for row in ts for t in row}) > 1:  # Q6_K's 16 among 32s
-                ts = [[t.halved() for t in row] for row in ts]
+            flat, e = one_block([t for row in ts for t in row]), cfg.num_experts
+            ts = [flat[i * e:(i + 1) * e] for i in range(cfg.num_layers)]
             return {k: np.stack([np.stack([getattr(t, k).T for t in row]) for row in ts])
                     for k in PLANES}
         return np.stack([np.stack([np.asarray(t.dequantize() if isinstance(t, Blocks) else t).T
