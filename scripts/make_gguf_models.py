@@ -28,6 +28,7 @@ SHAPES = {  # HF config fields; both use the default model's vocabulary (49152 t
                          num_attention_heads=32, num_key_value_heads=8,
                          tie_word_embeddings=False, rope_theta=500000.0),
 }
+SHARD_BYTES = 2 << 30
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "gguf-models")
 
 
@@ -49,17 +50,24 @@ def write_hf(path: str, shape: dict, seed: int = 0) -> None:
     os.makedirs(path, exist_ok=True)
     tok.save_pretrained(path)
     rng = np.random.default_rng(seed)
-    tensors = {}
+    # written a shard at a time: an 8B's float16 weights (16 GB) are never in memory at once
+    shard: dict[str, np.ndarray] = {}
+    shards = 0
     for name, dims in expected_hf_shapes(ModelConfig.from_hf(config)).items():
         if name.endswith("norm.weight"):
-            tensors[name] = np.ones(dims, np.float16)
+            shard[name] = np.ones(dims, np.float16)
         else:  # drawn as float32 a row block at a time: float16 halves the file
             a = np.empty(dims, np.float16)
             for lo in range(0, dims[0], 1024):
                 a[lo:lo + 1024] = rng.standard_normal((min(1024, dims[0] - lo), *dims[1:]),
                                                       np.float32) * 0.02
-            tensors[name] = a
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+            shard[name] = a
+        if sum(a.nbytes for a in shard.values()) >= SHARD_BYTES:
+            shards += 1
+            save_file(shard, os.path.join(path, f"model-{shards:05d}.safetensors"))
+            shard = {}
+    if shard:
+        save_file(shard, os.path.join(path, f"model-{shards + 1:05d}.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
@@ -73,7 +81,7 @@ def make(model: str, types: list[str], llama_cpp: str, out: str) -> list[str]:
     if all(os.path.exists(p) for p in paths):
         return paths
     if not os.path.exists(f16):
-        if not os.path.exists(os.path.join(hf, "model.safetensors")):
+        if not os.path.exists(os.path.join(hf, "config.json")):
             write_hf(hf, SHAPES[model])
         env = dict(os.environ, PYTHONPATH=os.path.join(llama_cpp, "gguf-py"))
         subprocess.run([sys.executable, os.path.join(llama_cpp, "convert_hf_to_gguf.py"), hf,
