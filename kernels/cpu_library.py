@@ -31,10 +31,12 @@ TARGETS = {
     "jaxserve_ragged_paged_attention": "RaggedPagedAttention",
     "jaxserve_block_matmul": "BlockMatmul",
     "jaxserve_block_matmul_q4": "BlockMatmulQ4",
+    "jaxserve_block_matmul_q4f": "BlockMatmulQ4F",
     "jaxserve_block_matmul_q8": "BlockMatmulQ8",
     "jaxserve_block_matmul_q8h": "BlockMatmulQ8H",
     "jaxserve_grouped_block_matmul": "GroupedBlockMatmul",
     "jaxserve_grouped_block_matmul_q4": "GroupedBlockMatmulQ4",
+    "jaxserve_grouped_block_matmul_q4f": "GroupedBlockMatmulQ4F",
     "jaxserve_grouped_block_matmul_q8": "GroupedBlockMatmulQ8",
     "jaxserve_grouped_block_matmul_q8h": "GroupedBlockMatmulQ8H",
 }

@@ -35,6 +35,7 @@ from jaxserve.kernels.cpu_library import library
 
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
+TARGET_NIBBLES_F32 = "jaxserve_block_matmul_q4f"  # the same with float32 scales (Q4_K's)
 TARGET_PAIRS = "jaxserve_block_matmul_q8"  # the pair form (quant.pack_pairs)
 TARGET_PAIRS_HALF = "jaxserve_block_matmul_q8h"  # the pair form of blocks of 16 (Q6_K's)
 PANEL = quant.PANEL  # columns of y per work item: N must be a multiple
@@ -68,10 +69,12 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
             return False
         scales = (n // PANEL, k // quant.BLOCK, PANEL)
         if quant.is_nibbles(w):  # uint32 words: 32 bytes of codes, 32 float16 scales a row
-            return (all(a.dtype == jnp.uint32 for a in planes)
+            return (w["q4"].dtype == jnp.uint32
                     and w["q4"].shape[lead:] == (n // PANEL, k // 2, PANEL // 4)
-                    and w["scale"].shape[lead:] == w["min"].shape[lead:]
-                    == (*scales[:2], PANEL // 2))
+                    and any(all(w[p].dtype == dtype and w[p].shape[lead:] == form
+                                for p in ("scale", "min"))
+                            for dtype, form in ((jnp.uint32, (*scales[:2], PANEL // 2)),
+                                                (jnp.float32, scales))))
         halves = (n // PANEL, k // quant.HALF_BLOCK, PANEL)
         return (w["q8"].dtype == jnp.uint32
                 and w["q8"].shape[lead:] == (n // PANEL, k // 2, PANEL // 2)
@@ -86,16 +89,19 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
     return quant.block_axis(w) == lead + contract - 1 and outputs % PANEL == 0
 
 
-def pack(params, batch_dims: int = 0):
-    """`params` with every quantized weight in the panels the kernel reads in one stream: the
-    nibble form (quant.pack_nibbles; the same weights in half the bytes) where it holds them,
-    else the pair form (quant.pack_pairs) where the outputs are whole panels. `batch_dims`:
-    leading axes of stacked layers."""
-    def packed(a):
-        return quant.pack_nibbles(a, batch_dims) or quant.pack_pairs(a, batch_dims) or a
+def pack_weight(a, batch_dims: int = 0):
+    """A quantized weight in the panels the kernel reads in one stream: the nibble form
+    (quant.pack_nibbles; the same weights in half the bytes) where it holds them, else the
+    pair form (quant.pack_pairs) where the outputs are whole panels; else (and any other
+    param) as it is. `batch_dims`: leading axes of stacked layers."""
+    if not quant.is_quantized(a):
+        return a
+    return quant.pack_nibbles(a, batch_dims) or quant.pack_pairs(a, batch_dims) or a
 
-    return jax.tree.map(lambda a: packed(a) if quant.is_quantized(a) else a, params,
-                        is_leaf=quant.is_quantized)
+
+def pack(params, batch_dims: int = 0):
+    """`params` with every quantized weight as pack_weight gives it."""
+    return jax.tree.map(lambda a: pack_weight(a, batch_dims), params, is_leaf=quant.is_quantized)
 
 
 def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
@@ -114,7 +120,8 @@ def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
 def _form(w: Mapping) -> tuple[str, list[str]]:
     """(the FFI target that reads `w`'s form, its planes in the kernel's order)."""
     if quant.is_nibbles(w):
-        return TARGET_NIBBLES, ["q4", "scale", "min"]
+        target = TARGET_NIBBLES_F32 if w["scale"].dtype == jnp.float32 else TARGET_NIBBLES
+        return target, ["q4", "scale", "min"]
     if quant.is_packed(w):
         target = TARGET_PAIRS if quant.pair_block(w) == quant.BLOCK else TARGET_PAIRS_HALF
         return target, ["q8", "scale", "min"]

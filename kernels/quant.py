@@ -34,11 +34,12 @@ block axis is the one where scale is 32x shorter than q.
 
 `pack_nibbles` gives a second form of the same weight, {"q4", "scale", "min"}, made for the
 CPU block matmul (kernels/cpu_matmul.py): a nibble type's codes two to a byte and scale and min
-as float16 (GGUF's own width), laid out panel by panel of 32 outputs in the order the kernel
-reads them (kernels/cpu/block_matmul.cc describes it), held as uint32 words. It holds the same
-numbers in half the bytes (0.625 per weight instead of 1.25) and one contiguous stream per
-panel. Its planes no longer have the weight's shape, so reading it back (`unpack_nibbles`,
-`dequantize`) takes that shape.
+as float16 (GGUF's own width) where that holds them, else as float32 (Q4_K's, d times a 6-bit
+sub-scale), laid out panel by panel of 32 outputs in the order the kernel reads them
+(kernels/cpu/block_matmul.cc describes it), held as uint32 words. It holds the same numbers
+in half the bytes (0.625 per weight instead of 1.25; 0.75 with float32 scales) and one
+contiguous stream per panel. Its planes no longer have the weight's shape, so reading it back
+(`unpack_nibbles`, `dequantize`) takes that shape.
 
 `pack_pairs` gives the same kind of form to codes that do not fit nibbles (Q8_0's, such as the
 head's): {"q8", "scale", "min"}, each pair of rows of a panel's int8 codes interleaved the way
@@ -267,15 +268,15 @@ def _dequantize(w: Mapping, xp):
 def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | None:
     """A quantized weight {"q", "scale", "min"} (numpy; its first `batch_dims` axes stacked
     layers) in the nibble form, or None where that would not hold the same weights exactly:
-    codes spanning more than 16 values, scales and minima that float16 does not hold, or
-    outputs that are not whole panels of 32. Q4_1's codes (0-15) pack as they are; Q4_0's
-    (-8-7, no minimum) as code + 8 with minimum -8 * scale (q * d and (q + 8) * d - 8 * d are
-    both exact in float32, so the weights are too).
+    codes spanning more than 16 values, or outputs that are not whole panels of 32. Q4_1's
+    codes (0-15) pack as they are; Q4_0's (-8-7, no minimum) as code + 8 with minimum -8 *
+    scale (q * d and (q + 8) * d - 8 * d are both exact in float32, so the weights are too).
 
     The weight contracts over its axes up to the block axis (K rows of inputs) into N
     outputs. Per stacked layer: q4 (N / 32, K / 2, 32) bytes, scale and min (N / 32, K / 32,
     32) float16, each held as uint32 words (last axis 8, 16, 16): XLA:CPU slices a scanned
-    model's layer out of the stacks a word at a time, much faster than byte by byte."""
+    model's layer out of the stacks a word at a time, much faster than byte by byte. Scales
+    and minima float16 does not hold exactly stay float32 (N / 32, K / 32, 32)."""
     dims = _panel_dims(w, batch_dims)
     if dims is None or block_of(w) != BLOCK:
         return None
@@ -290,22 +291,22 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
     else:
         return None
     minimum = minimum + np.float32(offset) * scale
-    halves = {"scale": scale.astype(np.float16), "min": minimum.astype(np.float16)}
-    if not (np.array_equal(halves["scale"].astype(np.float32), scale)
-            and np.array_equal(halves["min"].astype(np.float32), minimum)):
-        return None
-    b = len(lead)
-    u = (q.astype(np.int16) - offset).astype(np.uint8)
-    # (kp, e, p, h, c) -> (p, kp, h, c, e): row 2kp + e, column 32p + 16h + c; byte j = 2c + e
-    # of a pair of rows holds the column's codes of h = 0 (low nibble) and h = 1 (high).
-    u = u.reshape(*lead, k // 2, 2, n // PANEL, 2, PANEL // 2)
-    u = u.transpose(*range(b), b + 2, b, b + 3, b + 4, b + 1).reshape(*lead, n // PANEL,
-                                                                      k // 2, 2, PANEL)
-    q4 = u[..., 0, :] | (u[..., 1, :] << 4)
+    scales = {"scale": scale.astype(np.float16), "min": minimum.astype(np.float16)}
+    if not (np.array_equal(scales["scale"].astype(np.float32), scale)
+            and np.array_equal(scales["min"].astype(np.float32), minimum)):
+        scales = {"scale": scale, "min": minimum}  # Q4_K's: float32, as they are
+    q4 = np.empty((*lead, n // PANEL, k // 2, PANEL), np.uint8)
+    for i in np.ndindex(*lead):  # a layer at a time: the temporaries stay one layer's size
+        u = (q[i].astype(np.int16) - offset).astype(np.uint8)
+        # (kp, e, p, h, c) -> (p, kp, h, c, e): row 2kp + e, column 32p + 16h + c; byte
+        # j = 2c + e of a pair of rows holds the codes of h = 0 (low nibble) and h = 1 (high).
+        u = u.reshape(k // 2, 2, n // PANEL, 2, PANEL // 2).transpose(2, 0, 3, 4, 1)
+        u = u.reshape(n // PANEL, k // 2, 2, PANEL)
+        q4[i] = u[..., 0, :] | (u[..., 1, :] << 4)
 
-    planes = {"q4": np.ascontiguousarray(q4),
-              **{name: _scale_panels(a, lead, k, n) for name, a in halves.items()}}
-    return {name: a.view(np.uint32) for name, a in planes.items()}
+    planes = {"q4": q4, **{name: _scale_panels(a, lead, k, n) for name, a in scales.items()}}
+    return {name: a.view(np.uint32) if a.dtype != np.float32 else a
+            for name, a in planes.items()}
 
 
 def _panel_dims(w: Mapping, batch_dims: int):
@@ -344,12 +345,12 @@ def pack_pairs(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | None:
         return None
     q, lead, k, n = dims
     block = block_of(w)
-    b = len(lead)
-    # (kp, e, p, c) -> (p, kp, c, e)
-    q8 = q.astype(np.int8).reshape(*lead, k // 2, 2, n // PANEL, PANEL)
-    q8 = q8.transpose(*range(b), b + 2, b, b + 3, b + 1).reshape(*lead, n // PANEL, k // 2,
-                                                                2 * PANEL)
-    return {"q8": np.ascontiguousarray(q8).view(np.uint32),
+    q8 = np.empty((*lead, n // PANEL, k // 2, 2 * PANEL), np.int8)
+    for i in np.ndindex(*lead):  # a layer at a time: the temporaries stay one layer's size
+        # (kp, e, p, c) -> (p, kp, c, e)
+        q8[i] = q[i].astype(np.int8, copy=False).reshape(k // 2, 2, n // PANEL, PANEL).transpose(
+            2, 0, 3, 1).reshape(n // PANEL, k // 2, 2 * PANEL)
+    return {"q8": q8.view(np.uint32),
             **{name: _scale_panels(np.asarray(w[name], np.float32), lead, k, n, block)
                for name in ("scale", "min")}}
 
@@ -393,7 +394,8 @@ def unpack_nibbles(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
     q = u.transpose(1, 4, 0, 2, 3).reshape(shape).astype(np.int8)
     scale_shape = (*shape[:ax], shape[ax] // BLOCK, *shape[ax + 1:])
 
-    return {"q": q, **{name: _scales_back(_words_as(w[name], np.float16, xp), scale_shape, xp)
+    return {"q": q, **{name: _scales_back(w[name] if w[name].dtype == np.float32 else
+                                          _words_as(w[name], np.float16, xp), scale_shape, xp)
                        for name in ("scale", "min")}}
 
 

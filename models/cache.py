@@ -21,7 +21,7 @@ from jaxserve.kernels.cache_dir import cache_home
 from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-_FORMAT = 5  # bump when the param layout changes, so stale entries are ignored
+_FORMAT = 6  # bump when the param layout changes, so stale entries are ignored
 
 
 def cache_root() -> str | None:

@@ -320,7 +320,7 @@ def split_layer_blocks(params: dict, held_apart: Callable[[dict], bool]) -> dict
     return {**params, "layers": kept, LAYER_BLOCKS: moved}
 
 
-HEAD_BLOCKS = "head_blocks"  # the output projection as exact Q8 blocks (D, V): head_blocks()
+HEAD_BLOCKS = "head_blocks"  # the output projection as exact blocks (D, V): head_blocks()
 
 
 def head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
@@ -329,10 +329,13 @@ def head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
 
 
 def head_blocks(cfg: ModelConfig, params: dict) -> dict | None:
-    """The output projection as (D, V) blocks for a BlockMatmulFn, where its float weights are
-    exactly Q8 blocks (a GGUF's Q8_0 embedding is; see quant.requantize_q8), else None. Kept
-    under HEAD_BLOCKS beside the float weights, which the embedding lookup still reads: a
-    decode step then streams ~1.1 bytes per head weight instead of 4."""
+    """The output projection as (D, V) blocks for a BlockMatmulFn: the GGUF's own, which the
+    loader gives as HEAD_BLOCKS (Q6_K's, Q8_0's, ...), else where its float weights are
+    exactly Q8 blocks (see quant.requantize_q8), else None. Kept under HEAD_BLOCKS beside the
+    float weights, which the embedding lookup still reads: a decode step then streams ~1.1-1.5
+    bytes per head weight instead of 4."""
+    if HEAD_BLOCKS in params:
+        return params[HEAD_BLOCKS]
     head = np.asarray(head_weight(cfg, params))
     return requantize_q8(head.T if cfg.tie_word_embeddings else head, 0)
 
@@ -426,7 +429,7 @@ class Transformer(nn.Module):
 
         # Every row is normalized (a (T, D) elementwise op): prompt logprobs read them all.
         x = RMSNorm(cfg.rms_norm_eps, dt, cfg.norm_offset, name="final_norm")(x)  # (T, D)
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and not self.has_variable("params", HEAD_BLOCKS):
             self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size,
                                                                   cfg.vocab_size), dt)
         # a step's real sequences come first, padding (no context) after

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from jaxserve.kernels.quant import decode as decode_blocks
 from jaxserve.models import cache, moe
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.gguf_tokenizer import build_tokenizer
+from jaxserve.models.llama import HEAD_BLOCKS
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,23 @@ def default_model_path() -> str:
 
 
 def load_model(path: str | None = None) -> LoadedModel:
-    path = path or default_model_path()
+    """The model at `path` (default: default_model_path()); logs how long loading took and the
+    bytes of weights it holds."""
+    t0 = time.perf_counter()
+    loaded = _load(path or default_model_path())
+    held = sum(a.nbytes for a in _leaves(loaded.params))
+    logger.info("loaded %s in %.1fs: %.2f GB of weights", loaded.path, time.perf_counter() - t0,
+                held / 1e9)
+    return loaded
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    if isinstance(tree, dict):
+        return [a for v in tree.values() for a in _leaves(v)]
+    return [tree]
+
+
+def _load(path: str) -> LoadedModel:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist")
     if os.path.isdir(path):
@@ -168,7 +186,6 @@ def _load_gguf(file: str) -> LoadedModel:
 
 def _convert_gguf(file: str) -> LoadedModel:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(file)
     # Skip the vocabulary lists: they are large and the tokenizer reads them itself.
@@ -176,43 +193,72 @@ def _convert_gguf(file: str) -> LoadedModel:
            "tokenizer.ggml.scores")
     meta = {k: f.contents() for k, f in reader.fields.items() if k not in big}
     cfg = _gguf_config(meta, file)
-    tensors = {}
+    tensors, heads = {}, {}  # heads: the embedding's and output's blocks, where kept
     expanded: dict[str, list[int]] = {}  # type -> [tensors, float32 bytes, bytes in the file]
-    for t in reader.tensors:
-        name = _gguf_to_hf_name(t.name)
-        if name is None:
-            continue
-        # Layer projections keep their blocks; the embedding (gathered by row, and the tied
-        # head, which XLA:CPU runs faster from float32 at batch sizes over 1) does not.
-        arr = None
-        shape = tuple(int(n) for n in t.shape[::-1])
-        if name.startswith("model.layers.") and (name.endswith("proj.weight")
-                                                 or ".experts." in name):
-            # an expert stack (E, rows, cols) decodes as its E * rows rows
-            arr = decode_blocks(t.data, t.tensor_type.name, (math.prod(shape[:-1]), shape[-1]))
-            if arr is not None:
-                arr = arr.map(lambda a, lead=shape[:-1]: a.reshape(*lead, a.shape[-1]))
-        if arr is None:
-            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-            if t.tensor_type.name not in KEPT_TYPES + ("F32", "F16", "BF16"):
-                seen = expanded.setdefault(t.tensor_type.name, [0, 0, 0])
-                for i, add in enumerate((1, arr.nbytes, t.n_bytes)):
-                    seen[i] += add
-        # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it
-        # so the HF rotate-half RoPE applies.
-        if meta["general.architecture"] in ("llama", "mistral"):
-            heads = {"q_proj.weight": cfg.num_heads, "k_proj.weight": cfg.num_kv_heads}
-            for suffix, n in heads.items():
-                if name.endswith(suffix):
-                    arr = _map(arr, lambda w, n=n: _unpermute_rows(w, n))
-        tensors[name] = arr
+    with open(file, "rb") as f:
+        for t in reader.tensors:
+            name = _gguf_to_hf_name(t.name)
+            if name is not None:
+                tensors[name] = _gguf_tensor(t, _read_tensor(f, t), name, cfg, meta, expanded,
+                                             heads)
     if expanded:
         logger.warning("%s: expanded to float32 at load (not kept in blocks): %s", file, "; ".join(
             f"{kind} {n} tensors, {raw / 1e6:.1f} MB in the file -> {f32 / 1e6:.1f} MB"
             for kind, (n, f32, raw) in sorted(expanded.items())))
     tokenizer = _gguf_tokenizer(reader, file)
-    cfg, params = hf_to_params(cfg, moe.canonical_expert_names(cfg, tensors))
+    head = heads.get("lm_head.weight" if "lm_head.weight" in tensors
+                     else "model.embed_tokens.weight")
+    cfg, params = hf_to_params(cfg, moe.canonical_expert_names(cfg, tensors), head)
     return LoadedModel(cfg, params, tokenizer, file)
+
+
+def _read_tensor(f, t) -> np.ndarray:
+    """Tensor t's bytes (as the reader types them) read from the open file, not through the
+    reader's memory map: mapped pages stay resident while the map lives, so a whole file's
+    worth would sit in memory beside its decoded tensors."""
+    out = np.empty(t.data.shape, t.data.dtype)  # the map's view: shape and type, no reads
+    f.seek(t.data_offset)
+    if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+        raise ValueError(f"{f.name}: tensor {t.name} runs past the end of the file")
+    return out
+
+
+def _gguf_tensor(t, data: np.ndarray, name: str, cfg: ModelConfig, meta: dict,
+                 expanded: dict[str, list[int]], heads: dict[str, Blocks]):
+    """GGUF tensor t (its bytes `data`) as HF-named `name` wants it: Blocks or float32.
+    Counts float32 expansions of quantized types in `expanded`; the embedding's and the
+    output's blocks, where their type is kept, go to `heads` too."""
+    from gguf.quants import dequantize
+
+    # Layer projections keep their blocks. The embedding (gathered by row) and the output are
+    # float32, their blocks kept beside them for the head's matmul (HEAD_BLOCKS).
+    arr = None
+    shape = tuple(int(n) for n in t.shape[::-1])
+    if name.startswith("model.layers.") and (name.endswith("proj.weight")
+                                             or ".experts." in name):
+        # an expert stack (E, rows, cols) decodes as its E * rows rows
+        arr = decode_blocks(data, t.tensor_type.name, (math.prod(shape[:-1]), shape[-1]))
+        if arr is not None:
+            arr = arr.map(lambda a, lead=shape[:-1]: a.reshape(*lead, a.shape[-1]))
+    elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+        blocks = decode_blocks(data, t.tensor_type.name, shape)
+        if blocks is not None:
+            heads[name] = blocks
+            return blocks.dequantize()
+    if arr is None:
+        arr = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
+        if t.tensor_type.name not in KEPT_TYPES + ("F32", "F16", "BF16"):
+            seen = expanded.setdefault(t.tensor_type.name, [0, 0, 0])
+            for i, add in enumerate((1, arr.nbytes, t.n_bytes)):
+                seen[i] += add
+    # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it
+    # so the HF rotate-half RoPE applies.
+    if meta["general.architecture"] in ("llama", "mistral"):
+        heads = {"q_proj.weight": cfg.num_heads, "k_proj.weight": cfg.num_kv_heads}
+        for suffix, n in heads.items():
+            if name.endswith(suffix):
+                arr = _map(arr, lambda w, n=n: _unpermute_rows(w, n))
+    return arr
 
 
 def _gguf_tokenizer(reader, file: str):
@@ -346,10 +392,12 @@ def split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
 
 
 def hf_to_params(
-    cfg: ModelConfig, tensors: dict[str, np.ndarray]
+    cfg: ModelConfig, tensors: dict[str, np.ndarray], output: Blocks | None = None
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Check HF-named tensors (float32, or `quant.Blocks` for layer projections) against the
-    config and build the Flax param tree.
+    config and build the Flax param tree. Takes the layer tensors out of `tensors` as it
+    stacks them, so that a model's weights are in memory about once. `output`: the output
+    projection's (V, D) blocks as the file keeps them, given as HEAD_BLOCKS (D, V).
 
     Returns the config too, corrected where the tensors say more than the metadata did.
     """
@@ -372,7 +420,8 @@ def hf_to_params(
         Blocks and their blocks fit the layout (fn then re-lays out each plane, so it leaves
         the block axis as -1), else float32. Where some layers' blocks are Q6_K's 16 values,
         the others' are taken as blocks of 16 too (the same weights)."""
-        ws = [tensors[f"model.layers.{i}.{suffix}"] for i in range(cfg.num_layers)]
+        # taken out of `tensors`: each layer's copy frees once stacked
+        ws = [tensors.pop(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
         if blocks_fit and all(isinstance(w, Blocks) for w in ws):
             ws = one_block(ws)
             return {k: np.stack([fn(getattr(w, k)) for w in ws]) for k in PLANES}
@@ -412,4 +461,6 @@ def hf_to_params(
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = tensors["lm_head.weight"].T
+    if output is not None and output.shape == (cfg.vocab_size, d):
+        params[HEAD_BLOCKS] = {k: np.ascontiguousarray(getattr(output, k).T) for k in PLANES}
     return cfg, params

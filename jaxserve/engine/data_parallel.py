@@ -32,10 +32,12 @@ def device_groups(data_parallel_size: int, tensor_parallel_size: int) -> list[li
 
 
 def build_replicas(config: EngineConfig, loaded: LoadedModel | None = None) -> list[LLMEngine]:
-    """One engine per replica, the model loaded once."""
-    loaded = loaded or load_model(config.model)
+    """One engine per replica, the model loaded once (by the engine itself where there is
+    one replica, so that its host copy frees as it goes to the device)."""
     groups = device_groups(config.data_parallel_size,
                            config.tensor_parallel_size * config.expert_parallel_size)
+    if loaded is None and len(groups) > 1:
+        loaded = load_model(config.model)
     engines = [LLMEngine(config, loaded, devices=g) for g in groups]
     if len(engines) > 1:
         logger.info("data parallel: %d replicas on %s, %d KV blocks each", len(engines),

@@ -132,13 +132,15 @@ class LLMEngine:
         config = config or EngineConfig(**kwargs)
         platform = devices[0].platform if devices else jax.default_backend()
         self.config = config = config.on_platform(platform)
+        take = loaded is None  # loaded here: the runner may free its host copy as it goes
         self.loaded = loaded or load_model(config.model)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.decoder = TokenDecoder(self.tokenizer) if self.tokenizer is not None else None
         draft = (load_model(config.speculative_model)
                  if config.speculative_method == "draft_model" else None)
-        self.runner = runner or ModelRunner(config, self.loaded, devices, draft)
+        self.runner = runner or ModelRunner(config, self.loaded, devices, draft,
+                                            take_params=take)
         layout = getattr(self.runner, "kv_layout", None)  # a stand-in runner has none
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching,

@@ -90,13 +90,43 @@ def plan_kv_layout(config: EngineConfig, cfg: ModelConfig, has_draft: bool) -> K
     return KVLayout.plan(windows, True)
 
 
-def pack_layers(layers: dict, batch_dims: int) -> dict:
-    """A layer tree's quantized weights in the CPU kernel's panels (cpu_matmul.pack); a
-    mixture's experts have one stacked axis more (E), which the grouped kernel reads."""
-    out = cpu_matmul.pack({k: v for k, v in layers.items() if k != "moe"}, batch_dims)
-    if "moe" in layers:
-        out["moe"] = cpu_matmul.pack(layers["moe"], batch_dims + 1)
-    return out
+def pack_in_place(tree: dict, batch_dims: int = 0) -> None:
+    """A param tree's quantized weights in the CPU kernel's panels (cpu_matmul.pack_weight),
+    in place, one at a time: a scanned model's "layers" are stacked on a leading axis, and a
+    mixture's experts ("moe") have one stacked axis more (E), which the grouped kernel reads."""
+    for k, v in tree.items():
+        if quant.is_quantized(v):
+            tree[k] = cpu_matmul.pack_weight(v, batch_dims)
+        elif isinstance(v, dict):
+            pack_in_place(v, batch_dims + (k in ("layers", "moe")))
+
+
+def replace_leaves(tree: dict, fn, targets=None) -> dict:
+    """fn(leaf) (or fn(leaf, target), `targets` a tree of the same dicts or one value for all)
+    on every leaf of the nested dicts `tree` (an array or a quantized dict), in place, one
+    leaf at a time: a host array nothing else holds frees once its replacement is made, so
+    converting and placing a model's weights needs room for one weight more, not a second
+    copy of the model. Returns `tree`."""
+    for k, v in tree.items():
+        t = targets[k] if isinstance(targets, dict) else targets
+        if isinstance(v, dict) and not quant.is_quantized(v):
+            replace_leaves(v, fn, t)
+        else:
+            tree[k] = fn(v) if targets is None else fn(v, t)
+    return tree
+
+
+def put_waiting(a, sharding):
+    """jax.device_put, waiting for the copy: the host array is let go of then, not whenever
+    an asynchronous transfer finishes (a model's worth could pile up)."""
+    return jax.block_until_ready(jax.device_put(a, sharding))
+
+
+def own_structure(tree: dict) -> dict:
+    """`tree`'s nested dicts copied (the leaves shared): replace_leaves may then edit it
+    without touching the caller's tree."""
+    return {k: own_structure(v) if isinstance(v, dict) and not quant.is_quantized(v) else v
+            for k, v in tree.items()}
 
 
 class RecompileError(RuntimeError):
@@ -223,10 +253,12 @@ class Pooled:
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  devices: list[jax.Device] | None = None, draft: LoadedModel | None = None,
-                 deviceless: bool = False):
+                 deviceless: bool = False, take_params: bool = False):
         """`devices`: the tensor_parallel_size devices this runner's model and pool live on
         (default: the first ones; a data-parallel replica gets its own group). `draft`: the
         draft model of speculative_method="draft_model" (runtime/speculative.py).
+        `take_params`: the runner takes `loaded`'s params (and `draft`'s), leaving None there,
+        so their host arrays free one by one as they are converted and put on the device.
         `deviceless`: `devices` are compile-only (a GPU target description's, jax.experimental
         .topologies) and `loaded`'s params may be ShapeDtypeStructs: the runner holds no
         buffers, builds its programs with `compile_program` and runs none."""
@@ -260,12 +292,17 @@ class ModelRunner:
         self.devices = sharding.device_group(devices, tp, ep)
         self.compiler_options = compiler_options(platform_of(self.devices[0]))
         mc, params = loaded.config, loaded.params
+        if take_params:  # params is then the only hold on them: edits in place free them
+            loaded.params = None
+        else:  # edits in place touch a copy of the dicts, not the caller's tree
+            params = own_structure(params)
         self.mesh = None
         self.head_layout = sharding.HeadLayout.plan(mc, tp)  # (the identity at tp = 1)
         if mc.is_moe and tp * ep > 1:  # experts split over the mesh as float weights
             params = {**params, "layers": {**params["layers"], "moe": quant.dequantize_tree(
                 params["layers"]["moe"])}}
         if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
+            params.pop(HEAD_BLOCKS, None)  # read by the CPU kernel alone, on one device
             self.mesh = sharding.make_mesh(self.devices, ep)
             mc, params = sharding.relayout(mc, params, self.head_layout)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
@@ -287,23 +324,27 @@ class ModelRunner:
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
             weights (kernels/quant.py) as they are, or expanded with quantization=none; with
             the CPU block matmul, codes in the panels it reads (nibbles: half the bytes to
-            stream) and the head as Q8 blocks, in pairs, where it is exactly that."""
+            stream) and the head as Q8 blocks, in pairs, where it is exactly that. Edits p's
+            dicts in place, a weight at a time (replace_leaves)."""
+            if self.block_matmul is None:  # only the CPU kernel reads a head's blocks
+                p.pop(HEAD_BLOCKS, None)
             p = layout_params(p, cfg.num_layers, scan)
             if not keep_blocks:
-                p = quant.dequantize_tree(p)
+                p = replace_leaves(p, quant.dequantize_tree)
             if fuse:  # off the CPU: q/k/v and gate/up as one matmul each
                 p = fuse_projections(p, scan)
             if self.block_matmul is not None:
-                p = {k: pack_layers(v, int(scan and k == "layers")) if k.startswith("layers")
-                     else cpu_matmul.pack(v) for k, v in p.items()}
+                pack_in_place(p)
                 if scan:  # read in place at each layer's index, not sliced out per layer
                     p = split_layer_blocks(p, quant.is_packed)
                 blocks = head_blocks(cfg, p)
                 if blocks is not None:
-                    p = {**p, HEAD_BLOCKS: cpu_matmul.pack(blocks)}
-            return jax.tree.map(lambda a: a if quant.is_quantized(a) else
-                                jnp.asarray(a, self.dtype) if isinstance(a, jax.Array) else
-                                np.asarray(a, self.dtype), p, is_leaf=quant.is_quantized)
+                    p = {**p, HEAD_BLOCKS: cpu_matmul.pack_weight(blocks)}
+                    if quant.is_packed(p[HEAD_BLOCKS]):  # the kernel reads it: no float head
+                        p.pop("lm_head", None)
+            return replace_leaves(p, lambda a: a if quant.is_quantized(a) else
+                                  jnp.asarray(a, self.dtype) if isinstance(a, jax.Array) else
+                                  np.asarray(a, self.dtype))
 
         # deviceless: the same conversions, traced on the params' shapes alone
         params = (jax.eval_shape(functools.partial(as_step_params, mc), params) if deviceless
@@ -330,18 +371,22 @@ class ModelRunner:
                     KVCache.create, mc, self.num_blocks, self.block_size, self.kv_dtype, None,
                     self.kv_layout.rows)), rep)
             else:
-                self.params = jax.device_put(params, rep)
+                self.params = replace_leaves(params, put_waiting, rep)
                 self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
                                          rep, self.kv_layout.rows)
             if self.draft_config is not None:
-                self.draft_params = jax.device_put(
-                    as_step_params(self.draft_config, draft.params), rep)
+                draft_params = draft.params if take_params else own_structure(draft.params)
+                if take_params:
+                    draft.params = None
+                self.draft_params = replace_leaves(
+                    as_step_params(self.draft_config, draft_params), put_waiting, rep)
                 self.draft_kv = KVCache.create(self.draft_config, self.num_blocks,
                                                self.block_size, self.kv_dtype, rep)
             self._jit_kw = {}
         else:
             specs = sharding.param_specs(params, mc.vocab_size, tp, ep)
-            self.params = jax.device_put(params, sharding.named(self.mesh, specs))
+            self.params = replace_leaves(params, put_waiting, sharding.named(self.mesh,
+                                                                                specs))
             kv_sharding = sharding.named(self.mesh, sharding.KV_SPEC)
             self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
                                      kv_sharding, self.kv_layout.rows)

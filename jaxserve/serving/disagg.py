@@ -597,6 +597,7 @@ class FrontModel:
     def __init__(self, config: EngineConfig):
         self.config = config.on_platform("cpu")
         self.loaded = load_model(config.model)
+        self.loaded.params = None  # the front runs no model: only the config and tokenizer
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         eos = set(self.model_config.eos_token_ids)

@@ -1,7 +1,7 @@
 // y = x @ w for a weight kept in GGUF blocks (kernels/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// Shapes (four handlers, one per form of the codes; kernels/quant.py makes them). Each
+// Shapes (five handlers, one per form of the codes; kernels/quant.py makes them). Each
 // handler takes a group of weights of one form that multiply the same x, one y each (see
 // Matmul); per weight:
 //   x      (M, K) float32
@@ -15,6 +15,8 @@
 //   scale  (N / 32, K / 32, 32) float16   scale[p, b, c] of column 32p + c
 //   min    (N / 32, K / 32, 32) float16
 //   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16))
+// or, BlockMatmulQ4F, the same codes with scale and min float32 (N / 32, K / 32, 32)
+//   (Q4_K's: its scales are d times a 6-bit sub-scale, which float16 does not hold)
 // or, BlockMatmulQ8, int8 codes in pairs of rows (kernels/quant.py's pack_pairs makes it):
 //   q8     (N / 32, K / 2, 64) int8   panel p, pair of rows kp: byte 2c + e holds
 //          q[2kp + e, 32p + c] (as uint32 words, (N / 32, K / 2, 16))
@@ -64,6 +66,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -192,12 +195,17 @@ struct Int8Codes {
 #endif
 };
 
-struct NibbleCodes {
+// S: the scales' type, float16 bits (uint16_t, held two to a uint32 word) or float (Q4_K's,
+// whose scales float16 does not hold); the codes' layout is the same.
+template <typename S>
+struct NibbleCodesOf {
   using Code = uint8_t;
-  using Scale = uint16_t;  // float16 bits
+  using Scale = S;
+  static constexpr bool kHalf = std::is_same_v<S, uint16_t>;
   static constexpr int kBlock = KB;
-  static constexpr ffi::DataType kCodeType = ffi::U32, kScaleType = ffi::U32;  // words
-  static constexpr int64_t kScalesPerElement = 2;
+  static constexpr ffi::DataType kCodeType = ffi::U32;  // words
+  static constexpr ffi::DataType kScaleType = kHalf ? ffi::U32 : ffi::F32;
+  static constexpr int64_t kScalesPerElement = kHalf ? 2 : 1;
   // (N / 32, K / 2, 32) codes, (N / 32, K / 32, 32) scales: see the file comment.
   // Layers stacked as (L N / 32, K / 2, 8) words.
   static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
@@ -212,18 +220,22 @@ struct NibbleCodes {
   static int64_t scale_at(int64_t p, int64_t kb, int64_t blocks, int64_t) {
     return (p * blocks + kb) * NP;
   }
-  static v16 scales(const uint16_t* s) {
+  static v16 scales(const S* s) {
+    if constexpr (!kHalf) {
+      return load<v16>(s);
+    } else {
 #if defined(__AVX512F__)
-    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+      return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
 #elif defined(__F16C__)
-    __m256 h[2];
-    for (int i = 0; i < 2; ++i) h[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s + i));
-    return load<v16>(h);
+      __m256 h[2];
+      for (int i = 0; i < 2; ++i) h[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s + i));
+      return load<v16>(h);
 #else
-    v16 f;
-    for (int i = 0; i < V; ++i) f[i] = jaxserve::half_to_float(s[i]);
-    return f;
+      v16 f;
+      for (int i = 0; i < V; ++i) f[i] = jaxserve::half_to_float(s[i]);
+      return f;
 #endif
+    }
   }
   static void pair(const uint8_t* q, int64_t, int kp, i16x& w0, i16x& w1) {  // 32 bytes
     typedef uint8_t u8x32 __attribute__((vector_size(32)));
@@ -282,6 +294,8 @@ struct PairCodesOf {
 #endif
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
+using NibbleCodes = NibbleCodesOf<uint16_t>;
+using NibbleFloatCodes = NibbleCodesOf<float>;
 using PairCodes = PairCodesOf<KB>;
 using PairHalfCodes = PairCodesOf<KB / 2>;
 
@@ -800,10 +814,13 @@ auto GroupedBinding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmul, Matmul<Int8Codes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, Matmul<NibbleCodes>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4F, Matmul<NibbleFloatCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8, Matmul<PairCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8H, Matmul<PairHalfCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmul, GroupedMatmul<Int8Codes>, GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ4, GroupedMatmul<NibbleCodes>, GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ4F, GroupedMatmul<NibbleFloatCodes>,
+                              GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ8, GroupedMatmul<PairCodes>, GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ8H, GroupedMatmul<PairHalfCodes>,
                               GroupedBinding());

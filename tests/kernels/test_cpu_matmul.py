@@ -67,7 +67,7 @@ def make_weight(rng, shape, block_axis, kind="Q4_1"):
 def in_form(w, form):
     """(w in the kernel's `form`, the int8-form planes of what that form holds): "int8" as
     made, "nibbles" (quant.pack_nibbles; Q4_0's codes come back + 8 with minimum -8 * scale,
-    the same weights) or "pairs" (quant.pack_pairs)."""
+    the same weights; Q4_K's scales stay float32) or "pairs" (quant.pack_pairs)."""
     if form == "int8":
         return w, w
     planes = {k: np.asarray(a) for k, a in w.items()}
@@ -78,19 +78,23 @@ def in_form(w, form):
         np.testing.assert_array_equal(held["q"], planes["q"])
     else:
         packed = quant.pack_nibbles(planes)
-        assert packed is not None and packed["scale"].dtype == np.uint32  # float16 pairs
+        halves = np.array_equal(planes["scale"].astype(np.float16).astype(np.float32),
+                                planes["scale"])
+        assert packed is not None and packed["q4"].dtype == np.uint32
+        # float16 pairs in words where float16 holds the scales, else float32 (Q4_K's)
+        assert packed["scale"].dtype == (np.uint32 if halves else np.float32)
         held = quant.unpack_nibbles(packed, planes["q"].shape)
     np.testing.assert_array_equal(quant.dequantize_np(held), quant.dequantize_np(planes))
     return ({k: jnp.asarray(a) for k, a in packed.items()},
             {k: jnp.asarray(a) for k, a in held.items()})
 
 
-# (kind, form) pairs: Q8_0's and the 5-bit codes have no nibble form, nor Q4_K's float32 scales.
-# Q6_K's blocks of 16 are read in the pair form alone.
+# (kind, form) pairs: Q8_0's and the 5-bit codes have no nibble form; Q4_K's has float32
+# scales. Q6_K's blocks of 16 are read in the pair form alone.
 CASES = [("Q4_1", "int8"), ("Q4_1", "nibbles"), ("Q4_1", "pairs"), ("Q4_0", "int8"),
          ("Q4_0", "nibbles"), ("Q8_0", "int8"), ("Q8_0", "pairs"), ("Q5_0", "pairs"),
-         ("Q5_1", "pairs"), ("Q4_K", "int8"), ("Q4_K", "pairs"), ("Q5_K", "pairs"),
-         ("Q6_K", "pairs")]
+         ("Q5_1", "pairs"), ("Q4_K", "int8"), ("Q4_K", "nibbles"), ("Q4_K", "pairs"),
+         ("Q5_K", "pairs"), ("Q6_K", "pairs")]
 
 
 def expanded(w, contract):
@@ -168,11 +172,11 @@ def test_matches_float64(rows, kind, form):
 
 @pytest.mark.parametrize("rows", [1, 13, 40])
 @pytest.mark.parametrize("kind, form", [("Q4_1", "nibbles"), ("Q4_1", "pairs"),
-                                        ("Q8_0", "pairs")])
+                                        ("Q8_0", "pairs"), ("Q4_K", "nibbles")])
 def test_packed_forms_give_the_same_numbers(rows, kind, form):
-    """Q4_1's nibble form, and any codes' pair form, hold the same codes, scales and minima, so
-    the kernel's integer sums and epilogue are the same numbers: y is bit-identical to the int8
-    form's."""
+    """Q4_1's and Q4_K's nibble forms, and any codes' pair form, hold the same codes, scales
+    and minima, so the kernel's integer sums and epilogue are the same numbers: y is
+    bit-identical to the int8 form's."""
     rng = np.random.default_rng(20 + rows)
     w = make_weight(rng, (256, 160), 0, kind)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
@@ -315,8 +319,10 @@ def test_what_a_group_does_not_read():
     pairs = in_form(make_weight(rng, (64, 64), 0, "Q8_0"), "pairs")[0]
     wide = in_form(make_weight(rng, (128, 64), 0), "nibbles")[0]
     x = jnp.ones((2, 64), jnp.float32)
-    with pytest.raises(ValueError, match="in one form"):
-        block_matmul_group(x, [nibbles, pairs], 1, [(64, 64), (64, 64)])
+    k_nibbles = in_form(make_weight(rng, (64, 64), 0, "Q4_K"), "nibbles")[0]  # float32 scales
+    for other in (pairs, k_nibbles):
+        with pytest.raises(ValueError, match="in one form"):
+            block_matmul_group(x, [nibbles, other], 1, [(64, 64), (64, 64)])
     assert block_matmul_or_none(x, [nibbles, pairs], 1, [(64, 64), (64, 64)]) is None
     with pytest.raises(ValueError, match="contract different sizes"):
         block_matmul_group(x, [nibbles, wide], 1, [(64, 64), (128, 64)])
@@ -366,17 +372,19 @@ def test_pack_turns_what_it_can_into_panels():
     that are not whole panels, plain arrays) as they were."""
     rng = np.random.default_rng(5)
     tree = {"a": make_weight(rng, (64, 32), 0), "b": make_weight(rng, (64, 32), 0, "Q4_0"),
-            "c": make_weight(rng, (64, 32), 0, "Q8_0"), "d": np.ones(3, np.float32)}
+            "c": make_weight(rng, (64, 32), 0, "Q8_0"), "d": np.ones(3, np.float32),
+            "k": make_weight(rng, (64, 32), 0, "Q4_K")}
     tree = jax.tree.map(np.asarray, tree)
     out = pack(tree)
-    assert quant.is_nibbles(out["a"]) and quant.is_nibbles(out["b"])
+    assert all(quant.is_nibbles(out[k]) for k in "abk")
+    assert out["k"]["scale"].dtype == np.float32  # d * sc: float16 does not hold it
     assert quant.is_pairs(out["c"]) and out["d"] is tree["d"]
     assert out["c"]["q8"].nbytes == tree["c"]["q"].nbytes
     back = quant.unpack_pairs(out["c"], (64, 32))
     np.testing.assert_array_equal(quant.dequantize_np(back), quant.dequantize_np(tree["c"]))
     odd = jax.tree.map(np.asarray, make_weight(rng, (64, 48), 0, "Q8_0"))
     assert pack({"e": odd})["e"] is odd
-    for k in "ab":
+    for k in "abk":
         assert out[k]["q4"].nbytes * 2 == tree[k]["q"].nbytes
         back = quant.unpack_nibbles(out[k], (64, 32))
         np.testing.assert_array_equal(quant.dequantize_np(back), quant.dequantize_np(tree[k]))

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.kernels import quant
-from jaxserve.models.llama import LAYER_BLOCKS
+from jaxserve.models.llama import HEAD_BLOCKS, LAYER_BLOCKS
 from jaxserve.models.loader import default_model_path, load_model
 from jaxserve.testing.tiny import write_tiny_llama
 from tests.models.test_loader import _write_tiny_gguf
@@ -216,11 +216,12 @@ def test_the_default_embedding_comes_back_to_its_own_q8_blocks():
 # Every kept type that is not the default model's, on layer projections whose rows are whole
 # K-quant super-blocks (hidden 256, intermediate 512).
 # As in a Q4_K_M file, one layer's down and v projections are Q6_K and the other's are not:
-# their stacks keep blocks of 16.
+# their stacks keep blocks of 16; the output matrix is Q6_K, the embedding Q4_K.
 K_MODEL_TYPES = {"layers.1.mlp.down_proj.weight": "Q6_K", "layers.0.self_attn.v_proj.weight":
                  "Q6_K", "q_proj.weight": "Q4_K", "k_proj.weight": "Q5_K",
                  "v_proj.weight": "Q5_0", "o_proj.weight": "Q5_1", "gate_proj.weight": "Q4_K",
-                 "up_proj.weight": "Q6_K", "down_proj.weight": "Q4_K"}
+                 "up_proj.weight": "Q6_K", "down_proj.weight": "Q4_K",
+                 "lm_head.weight": "Q6_K", "embed_tokens.weight": "Q4_K"}
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +242,17 @@ def test_k_quant_model_keeps_its_blocks_and_matches_hf(tiny_k_gguf, caplog):
     from tests.models.test_hf_equivalence import hf_greedy
 
     with caplog.at_level("WARNING", logger="jaxserve.models.loader"):
-        layers = load_model(tiny_k_gguf).params["layers"]
+        params = load_model(tiny_k_gguf).params
+    layers = params["layers"]
     assert all(quant.is_quantized(layers[k]) for k in ("wq", "wk", "wv", "wo", "w_gate",
                                                        "w_up", "w_down"))
     assert "expanded to float32" not in caplog.text
     assert quant.block_of(layers["w_down"]) == quant.block_of(layers["wv"]) == 16
     assert quant.block_of(layers["w_gate"]) == 32
+    # the output matrix's own Q6_K blocks, (D, V), beside its float form
+    head = params[HEAD_BLOCKS]
+    assert head["q"].shape == (256, 512) and quant.block_of(head) == 16
+    np.testing.assert_array_equal(quant.dequantize_np(head), params["lm_head"])
     engine, got = _run(tiny_k_gguf)
     assert (engine.runner.block_matmul is not None) == (jax.default_backend() == "cpu")
     if engine.runner.block_matmul is not None:  # the kernel reads the blocks of 16 in place
@@ -257,6 +263,11 @@ def test_k_quant_model_keeps_its_blocks_and_matches_hf(tiny_k_gguf, caplog):
         shape = (cfg.intermediate_size, cfg.hidden_size)
         assert cpu_matmul._form(held["w_down"])[0] == cpu_matmul.TARGET_PAIRS_HALF
         assert cpu_matmul.fits(held["w_down"], 1, shape, stacked=True)
+        assert cpu_matmul._form(held["w_gate"])[0] == cpu_matmul.TARGET_NIBBLES_F32  # Q4_K
+        # the head's blocks as the file has them; the float copy is not kept
+        head = engine.runner.params[HEAD_BLOCKS]
+        assert cpu_matmul._form(head)[0] == cpu_matmul.TARGET_PAIRS_HALF
+        assert "lm_head" not in engine.runner.params
     hf = load_hf_model(tiny_k_gguf)
     rng = np.random.default_rng(5)  # _run's prompts
     for i, n in enumerate((5, 40, 17)):

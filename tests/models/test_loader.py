@@ -399,3 +399,33 @@ def test_moe_gguf_loads_its_experts(arch, gguf_arch, tmp_path, tiny_models, monk
     assert moe["w_up"]["q"].shape == want["w_up"].shape  # (L, E, D, F), blocks along D
     np.testing.assert_array_equal(quant.dequantize_np(moe["w_up"]), up.transpose(0, 1, 3, 2))
     np.testing.assert_allclose(quant.dequantize_np(moe["w_up"]), want["w_up"], atol=0.02)
+
+
+def test_gguf_load_holds_the_weights_about_once(tmp_path, monkeypatch):
+    """Loading reads one tensor at a time and stacks layers as it takes them: the host memory it
+    allocates peaks well under twice what the loaded model holds (decoded tensors and their
+    stacks side by side would be two copies)."""
+    import tracemalloc
+
+    import jax
+
+    from jaxserve.testing.tiny import write_tiny_llama
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", "")  # no converted-weights cache: a real convert
+    (tmp_path / "hf").mkdir()
+    d = write_tiny_llama(tmp_path / "hf", 512, seed=3, hidden_size=256, intermediate_size=1024,
+                         num_hidden_layers=8)
+    cfg = load_model(d).config
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    _write_tiny_gguf(tmp_path / "k.gguf", tensors, cfg, {"proj.weight": "Q4_K"})
+    del tensors
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        loaded = load_model(str(tmp_path / "k.gguf"))
+        peak = tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+    held = sum(a.nbytes for a in jax.tree.leaves(loaded.params))
+    assert loaded.params["layers"]["w_up"]["q"].shape == (8, 256, 1024)  # kept in blocks
+    assert peak <= 1.6 * held, (peak, held)
