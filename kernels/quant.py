@@ -28,7 +28,7 @@ dequantized-to-float32 weights went through. The model therefore computes on ide
 weights, while the step streams about a quarter of the bytes (1 + 8/32 per weight instead of
 4), and under `lax.scan` slices a quarter of them out of the layer stacks.
 
-A quantized weight is a dict {"q", "scale", "min"} (plain dicts, so orbax, jax.tree and the
+A quantized weight is a dict {"q", "scale", "min"} (plain dicts, so the cache, jax.tree and the
 sharding specs see three arrays). In any layout the three planes have the weight's rank; the
 block axis is the one where scale is 32x shorter than q.
 

@@ -13,6 +13,8 @@ never touches the network.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import glob
 import importlib.util
@@ -63,11 +65,21 @@ def load_model(path: str | None = None) -> LoadedModel:
     """The model at `path` (default: default_model_path()); logs how long loading took and the
     bytes of weights it holds."""
     t0 = time.perf_counter()
+    _unmap_large_frees()
     loaded = _load(path or default_model_path())
     held = sum(a.nbytes for a in _leaves(loaded.params))
     logger.info("loaded %s in %.1fs: %.2f GB of weights", loaded.path, time.perf_counter() - t0,
                 held / 1e9)
     return loaded
+
+
+def _unmap_large_frees() -> None:
+    """Allocations of 1 MiB and up as mappings of their own, given back to the system when
+    freed. glibc's malloc otherwise raises that threshold to 32 MiB after the first large
+    free, and a load's many freed tensors below it stay in its heap, counted against the
+    process for good. A no-op where the C library has no mallopt."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
 
 
 def _leaves(tree) -> list[np.ndarray]:
