@@ -266,8 +266,8 @@ def _gguf_tensor(t, data: np.ndarray, name: str, cfg: ModelConfig, meta: dict,
     # llama.cpp interleaves the rotary halves of q and k rows for llama-arch models; undo it
     # so the HF rotate-half RoPE applies.
     if meta["general.architecture"] in ("llama", "mistral"):
-        heads = {"q_proj.weight": cfg.num_heads, "k_proj.weight": cfg.num_kv_heads}
-        for suffix, n in heads.items():
+        counts = {"q_proj.weight": cfg.num_heads, "k_proj.weight": cfg.num_kv_heads}
+        for suffix, n in counts.items():
             if name.endswith(suffix):
                 arr = _map(arr, lambda w, n=n: _unpermute_rows(w, n))
     return arr

@@ -129,6 +129,16 @@ def own_structure(tree: dict) -> dict:
             for k, v in tree.items()}
 
 
+def hand_over(loaded: LoadedModel, take: bool) -> dict:
+    """`loaded`'s params for the runner to edit in place: taken (loaded keeps None, so each
+    host array frees once replaced) or with their dicts copied (the caller's tree untouched)."""
+    params = loaded.params
+    if not take:
+        return own_structure(params)
+    loaded.params = None
+    return params
+
+
 class RecompileError(RuntimeError):
     """A step needed a program that warmup() did not compile (strict_compile=True)."""
 
@@ -291,11 +301,7 @@ class ModelRunner:
         sharding.check_experts(loaded.config, tp, ep)
         self.devices = sharding.device_group(devices, tp, ep)
         self.compiler_options = compiler_options(platform_of(self.devices[0]))
-        mc, params = loaded.config, loaded.params
-        if take_params:  # params is then the only hold on them: edits in place free them
-            loaded.params = None
-        else:  # edits in place touch a copy of the dicts, not the caller's tree
-            params = own_structure(params)
+        mc, params = loaded.config, hand_over(loaded, take_params)
         self.mesh = None
         self.head_layout = sharding.HeadLayout.plan(mc, tp)  # (the identity at tp = 1)
         if mc.is_moe and tp * ep > 1:  # experts split over the mesh as float weights
@@ -375,11 +381,8 @@ class ModelRunner:
                 self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
                                          rep, self.kv_layout.rows)
             if self.draft_config is not None:
-                draft_params = draft.params if take_params else own_structure(draft.params)
-                if take_params:
-                    draft.params = None
-                self.draft_params = replace_leaves(
-                    as_step_params(self.draft_config, draft_params), put_waiting, rep)
+                self.draft_params = replace_leaves(as_step_params(
+                    self.draft_config, hand_over(draft, take_params)), put_waiting, rep)
                 self.draft_kv = KVCache.create(self.draft_config, self.num_blocks,
                                                self.block_size, self.kv_dtype, rep)
             self._jit_kw = {}
