@@ -25,6 +25,7 @@ import os
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxserve.kernels.quant import BLOCK, KEPT_TYPES, PLANES, Blocks, one_block
@@ -67,7 +68,7 @@ def load_model(path: str | None = None) -> LoadedModel:
     t0 = time.perf_counter()
     _unmap_large_frees()
     loaded = _load(path or default_model_path())
-    held = sum(a.nbytes for a in _leaves(loaded.params))
+    held = sum(a.nbytes for a in jax.tree.leaves(loaded.params))
     logger.info("loaded %s in %.1fs: %.2f GB of weights", loaded.path, time.perf_counter() - t0,
                 held / 1e9)
     return loaded
@@ -80,12 +81,6 @@ def _unmap_large_frees() -> None:
     process for good. A no-op where the C library has no mallopt."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
-def _leaves(tree) -> list[np.ndarray]:
-    if isinstance(tree, dict):
-        return [a for v in tree.values() for a in _leaves(v)]
-    return [tree]
 
 
 def _load(path: str) -> LoadedModel:

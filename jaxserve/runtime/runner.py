@@ -308,7 +308,6 @@ class ModelRunner:
             params = {**params, "layers": {**params["layers"], "moe": quant.dequantize_tree(
                 params["layers"]["moe"])}}
         if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
-            params.pop(HEAD_BLOCKS, None)  # read by the CPU kernel alone, on one device
             self.mesh = sharding.make_mesh(self.devices, ep)
             mc, params = sharding.relayout(mc, params, self.head_layout)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
