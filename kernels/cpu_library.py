@@ -34,11 +34,17 @@ TARGETS = {
     "jaxserve_block_matmul_q4f": "BlockMatmulQ4F",
     "jaxserve_block_matmul_q8": "BlockMatmulQ8",
     "jaxserve_block_matmul_q8h": "BlockMatmulQ8H",
+    "jaxserve_block_matmul_q4k": "BlockMatmulQ4K",
+    "jaxserve_block_matmul_q6": "BlockMatmulQ6",
+    "jaxserve_block_matmul_q6h": "BlockMatmulQ6H",
     "jaxserve_grouped_block_matmul": "GroupedBlockMatmul",
     "jaxserve_grouped_block_matmul_q4": "GroupedBlockMatmulQ4",
     "jaxserve_grouped_block_matmul_q4f": "GroupedBlockMatmulQ4F",
     "jaxserve_grouped_block_matmul_q8": "GroupedBlockMatmulQ8",
     "jaxserve_grouped_block_matmul_q8h": "GroupedBlockMatmulQ8H",
+    "jaxserve_grouped_block_matmul_q4k": "GroupedBlockMatmulQ4K",
+    "jaxserve_grouped_block_matmul_q6": "GroupedBlockMatmulQ6",
+    "jaxserve_grouped_block_matmul_q6h": "GroupedBlockMatmulQ6H",
 }
 # -ffp-contract=off: a product and a sum fuse into an FMA only where the source says so, never
 # by the compiler's choice per call site, which could round a row differently in two code paths.

@@ -12,10 +12,12 @@ its block's largest; the engine's greedy tokens still equal HF transformers'
 
 The runner gives it Q4 weights in their nibble form (`pack`, quant.pack_nibbles): half the
 bytes, each panel of 32 outputs one contiguous stream, and a pair of rows widened to int16 by a
-zero-extension, a mask and a shift; other codes in their pair form (quant.pack_pairs), one
-stream per panel too, with blocks of 32 rows of k or Q6_K's 16 (`TARGET_PAIRS_HALF`). The file
-comment of `cpu/block_matmul.cc` says when the kernel widens codes in registers and when it
-tiles.
+zero-extension, a mask and a shift (Q4_K's with its super-block scales, `TARGET_NIBBLES_SUPER`);
+six-bit codes (Q6_K's, Q5_0's) as nibbles plus top bits (quant.pack_six); other codes in their
+pair form (quant.pack_pairs), one stream per panel too, with blocks of 32 rows of k or 16. A
+scanned model's stack mixing Q6_K layers with others is split in two (`pack_weight`), each
+layer read from its part (`split_matmul`). The file comment of `cpu/block_matmul.cc` says when
+the kernel widens codes in registers and when it tiles.
 
 Weights that multiply the same x go to the kernel as one group (`block_matmul_group`: a layer's
 q, k and v, its gate and up): x is scaled once and all their panels are shared out in one pass,
@@ -35,9 +37,12 @@ from jaxserve.kernels.cpu_library import library
 
 TARGET = "jaxserve_block_matmul"
 TARGET_NIBBLES = "jaxserve_block_matmul_q4"  # the nibble form (quant.pack_nibbles)
-TARGET_NIBBLES_F32 = "jaxserve_block_matmul_q4f"  # the same with float32 scales (Q4_K's)
+TARGET_NIBBLES_F32 = "jaxserve_block_matmul_q4f"  # the same with float32 scales
+TARGET_NIBBLES_SUPER = "jaxserve_block_matmul_q4k"  # with Q4_K's super-block scales
 TARGET_PAIRS = "jaxserve_block_matmul_q8"  # the pair form (quant.pack_pairs)
-TARGET_PAIRS_HALF = "jaxserve_block_matmul_q8h"  # the pair form of blocks of 16 (Q6_K's)
+TARGET_PAIRS_HALF = "jaxserve_block_matmul_q8h"  # the pair form of blocks of 16
+TARGET_SIX = "jaxserve_block_matmul_q6"  # the six-bit form (quant.pack_six)
+TARGET_SIX_HALF = "jaxserve_block_matmul_q6h"  # the six-bit form of blocks of 16 (Q6_K's)
 PANEL = quant.PANEL  # columns of y per work item: N must be a multiple
 GROUPED = "jaxserve_grouped_"  # + a form's target: experts' rows grouped (grouped_block_matmul)
 
@@ -68,6 +73,13 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
         if n % PANEL or k % quant.BLOCK:
             return False
         scales = (n // PANEL, k // quant.BLOCK, PANEL)
+        if quant.is_nibbles(w) and "min" not in w:  # Q4_K's super-block scales
+            return (w["q4"].dtype == jnp.uint32 and k % (quant.SUPER_BLOCKS * quant.BLOCK) == 0
+                    and w["q4"].shape[lead:] == (n // PANEL, k // 2, PANEL // 4)
+                    and w["scale"].dtype == jnp.float32
+                    and w["scale"].shape[lead:] == (n // PANEL, k // (quant.SUPER_BLOCKS
+                                                                     * quant.BLOCK),
+                                                    quant.SUPER_WORDS))
         if quant.is_nibbles(w):  # uint32 words: 32 bytes of codes, 32 float16 scales a row
             return (w["q4"].dtype == jnp.uint32
                     and w["q4"].shape[lead:] == (n // PANEL, k // 2, PANEL // 4)
@@ -76,6 +88,11 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
                             for dtype, form in ((jnp.uint32, (*scales[:2], PANEL // 2)),
                                                 (jnp.float32, scales))))
         halves = (n // PANEL, k // quant.HALF_BLOCK, PANEL)
+        if quant.is_six(w):  # words: 48 bytes of codes a pair of rows; no minima
+            return (w["q6"].dtype == jnp.uint32
+                    and w["q6"].shape[lead:] == (n // PANEL, k // 2, quant.SIX_PAIR_BYTES // 4)
+                    and w["scale"].dtype == jnp.float32
+                    and w["scale"].shape[lead:] in (scales, halves))
         return (w["q8"].dtype == jnp.uint32
                 and w["q8"].shape[lead:] == (n // PANEL, k // 2, PANEL // 2)
                 and any(all(w[p].dtype == jnp.float32 and w[p].shape[lead:] == form
@@ -92,11 +109,40 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
 def pack_weight(a, batch_dims: int = 0):
     """A quantized weight in the panels the kernel reads in one stream: the nibble form
     (quant.pack_nibbles; the same weights in half the bytes) where it holds them, else the
-    pair form (quant.pack_pairs) where the outputs are whole panels; else (and any other
-    param) as it is. `batch_dims`: leading axes of stacked layers."""
-    if not quant.is_quantized(a):
+    six-bit form (quant.pack_six), else the pair form (quant.pack_pairs) where the outputs
+    are whole panels; else (and any other param) as it is. `batch_dims`: leading axes of
+    stacked layers. Blocks of 32 that one_block took as 16 go back to 32; a stack of layers
+    mixing them with Q6_K's (a Q4_K_M file's ffn_down) is split in two stacks, each in its
+    own form, with the slot of each layer (quant.split_by_block, quant.is_split)."""
+    if not quant.is_quantized(a) or quant.is_packed(a):
         return a
-    return quant.pack_nibbles(a, batch_dims) or quant.pack_pairs(a, batch_dims) or a
+    if quant.block_of(a) == quant.HALF_BLOCK:
+        whole = quant.as_block32(a)
+        split = quant.split_by_block(a) if whole is None and batch_dims == 1 else None
+        if whole is not None:
+            a = whole
+        elif split is not None:
+            slot, b32, b16 = split
+            parts = {"b32": _pack_one(b32, 1), "b16": _pack_one(b16, 1)}
+            if all(quant.is_packed(p) for p in parts.values()):
+                return {"parts": parts, "slot": slot}
+    return _pack_one(a, batch_dims)
+
+
+def _pack_one(a, batch_dims: int):
+    return (quant.pack_nibbles(a, batch_dims) or quant.pack_six(a, batch_dims)
+            or quant.pack_pairs(a, batch_dims) or a)
+
+
+def split_matmul(x: jax.Array, w: Mapping, contract: int, shape: tuple[int, ...],
+                 layer: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """block_matmul with layer `layer` of a stack split by block length (pack_weight): the
+    product runs on the part that holds the layer, at its slot there."""
+    slot = w["slot"][layer]
+    return jax.lax.cond(
+        slot >= 0,
+        lambda: block_matmul(x, w["parts"]["b32"], contract, shape, slot, rows),
+        lambda: block_matmul(x, w["parts"]["b16"], contract, shape, -1 - slot, rows))
 
 
 def pack(params, batch_dims: int = 0):
@@ -119,9 +165,14 @@ def block_matmul(x: jax.Array, w: Mapping, contract: int = 1,
 
 def _form(w: Mapping) -> tuple[str, list[str]]:
     """(the FFI target that reads `w`'s form, its planes in the kernel's order)."""
+    if quant.is_nibbles(w) and "min" not in w:  # the minima are in the scale plane
+        return TARGET_NIBBLES_SUPER, ["q4", "scale", "scale"]
     if quant.is_nibbles(w):
         target = TARGET_NIBBLES_F32 if w["scale"].dtype == jnp.float32 else TARGET_NIBBLES
         return target, ["q4", "scale", "min"]
+    if quant.is_six(w):  # no minima: the kernel takes the scales in their place, unread
+        target = TARGET_SIX if quant.pair_block(w) == quant.BLOCK else TARGET_SIX_HALF
+        return target, ["q6", "scale", "scale"]
     if quant.is_packed(w):
         target = TARGET_PAIRS if quant.pair_block(w) == quant.BLOCK else TARGET_PAIRS_HALF
         return target, ["q8", "scale", "min"]
@@ -262,6 +313,10 @@ def block_matmul_or_none(x: jax.Array, ws: Sequence[Mapping], contract: int = 1,
     (models/llama.py's BlockMatmulFn: the step then expands the weights and runs the dots)."""
     if x.dtype != jnp.float32 or not ws:
         return None
+    if any(quant.is_split(w) for w in ws):  # alone, at a layer: split_matmul
+        if len(ws) != 1 or layer is None or shapes is None:
+            return None
+        return [split_matmul(x, ws[0], contract, shapes[0], layer, rows)]
     shapes = _shapes(ws, shapes, layer is not None)
     if _unread(ws, contract, shapes, layer is not None):
         return None

@@ -17,8 +17,9 @@ dmin, and give each block 6-bit integers sc and m: w = (d * sc) * q - dmin * m, 
 types of float32 scales. Q6_K's super-block has 16 sub-blocks of 16 values, w = (d * sc) * q
 with sc an int8 and q in [-32, 31]: kept as blocks of 16 (scale d * sc, exact, minimum 0).
 A stack of layers mixing Q6_K with other types takes the others as blocks of 16 too (each
-scale and minimum twice: the same weights). The other types (Q2_K, Q3_K, IQ*, TQ*, ...) are
-expanded to float32 at load (models/loader.py warns with the bytes that costs).
+scale and minimum twice: the same weights); the CPU kernel's packing splits such a stack
+back into one of each block length (`split_by_block`). The other types (Q2_K, Q3_K, IQ*,
+TQ*, ...) are expanded to float32 at load (models/loader.py warns with the bytes that costs).
 
 We keep q as int8 (the nibble types shifted to their signed value) and d, m as float32, and form
 w = q * d + m in float32 inside the jitted step, right before the matmul that reads it. This is
@@ -41,6 +42,12 @@ in half the bytes (0.625 per weight instead of 1.25; 0.75 with float32 scales) a
 contiguous stream per panel. Its planes no longer have the weight's shape, so reading it back
 (`unpack_nibbles`, `dequantize`) takes that shape.
 
+Q4_K's scales and minima in that form can be held as the file has them instead: per
+super-block of 256 rows d and dmin, per block the 6-bit sc and m (0.09 bytes a weight where
+float32 scales and minima take 0.25). `pack_six` gives codes in [-32, 31] without minima
+(Q6_K's, Q5_0's) a form of nibbles plus a plane of their top two bits (0.75 bytes a weight
+and no minimum plane, where the pair form takes 1 plus scales and minima).
+
 `pack_pairs` gives the same kind of form to codes that do not fit nibbles (Q8_0's, such as the
 head's): {"q8", "scale", "min"}, each pair of rows of a panel's int8 codes interleaved the way
 the kernel's products read them (so widening them is one sign extension) and float32 scales
@@ -60,6 +67,9 @@ HALF_BLOCK = 16  # Q6_K's scales cover 16 values: blocks of 16 along the same ax
 PLANES = ("q", "scale", "min")
 NIBBLE_PLANES = ("q4", "scale", "min")  # pack_nibbles' form
 PAIR_PLANES = ("q8", "scale", "min")  # pack_pairs' form
+SIX_PLANES = ("q6", "scale")  # pack_six's form: no minimum
+NIBBLE_SUPER_PLANES = ("q4", "scale")  # pack_nibbles' form of Q4_K's: minima in the scales
+SIX_PAIR_BYTES = 48  # a pair of rows of a panel in pack_six's form: 32 of nibbles, 16 of tops
 PANEL = 32  # outputs per panel of the nibble form: the CPU block matmul's work item
 
 
@@ -108,6 +118,47 @@ def one_block(blocks: list[Blocks]) -> list[Blocks]:
     if len({b.block for b in blocks}) > 1:
         return [b.halved() for b in blocks]
     return blocks
+
+
+def as_block32(w: Mapping) -> dict[str, np.ndarray] | None:
+    """An int8-form weight (numpy) in blocks of 16 whose scales and minima come in equal
+    pairs (one_block's halved blocks of 32) back in blocks of 32, else None."""
+    ax = block_axis(w)
+    if block_of(w) != HALF_BLOCK:
+        return None
+    pairs = {}
+    for name in ("scale", "min"):
+        a = np.asarray(w[name])
+        even, odd = np.take(a, range(0, a.shape[ax], 2), ax), np.take(a, range(1, a.shape[ax], 2),
+                                                                         ax)
+        if not np.array_equal(even, odd):
+            return None
+        pairs[name] = even
+    return {"q": w["q"], **pairs}
+
+
+def split_by_block(w: Mapping) -> tuple[np.ndarray, dict, dict] | None:
+    """A stack of layers (axis 0) in blocks of 16 mixing Q6_K's with other types' blocks of
+    32 taken twice (one_block's): (slot (L,) int32, the stack of the layers that are blocks of
+    32, as such, the stack of the others), slot[l] being layer l's entry in the first stack,
+    or -1 - its entry in the second; None where the layers are not such a mixture."""
+    layers = [as_block32({k: np.asarray(a)[i] for k, a in w.items()})
+              for i in range(np.shape(w["q"])[0])]
+    whole = [i for i, b in enumerate(layers) if b is not None]
+    halves = [i for i, b in enumerate(layers) if b is None]
+    if not whole or not halves:
+        return None
+    slot = np.empty(len(layers), np.int32)
+    slot[whole] = np.arange(len(whole))
+    slot[halves] = -1 - np.arange(len(halves))
+    return (slot, {k: np.stack([layers[i][k] for i in whole]) for k in PLANES},
+            {k: np.asarray(w[k])[halves] for k in PLANES})
+
+
+def is_split(w) -> bool:
+    """A stack split by block length (cpu_matmul.pack_weight of split_by_block's parts):
+    {"parts": {"b32": ..., "b16": ...}, "slot": (L,) int32}."""
+    return isinstance(w, Mapping) and set(w) == {"parts", "slot"}
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -217,7 +268,8 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | 
 
 def is_quantized(w) -> bool:
     return isinstance(w, Mapping) and set(w) in (set(PLANES), set(NIBBLE_PLANES),
-                                                  set(PAIR_PLANES))
+                                                  set(PAIR_PLANES), set(SIX_PLANES),
+                                                  set(NIBBLE_SUPER_PLANES))
 
 
 def is_nibbles(w: Mapping) -> bool:
@@ -228,15 +280,20 @@ def is_pairs(w: Mapping) -> bool:
     return "q8" in w
 
 
+def is_six(w: Mapping) -> bool:
+    return "q6" in w
+
+
 def pair_block(w: Mapping) -> int:
-    """Values per block of a weight in the pair form: 32, or 16 (its scale plane is
-    (..., N / 32, K / B, 32) and its codes (..., N / 32, K / 2, 16) words)."""
-    return 2 * w["q8"].shape[-2] // w["scale"].shape[-2]
+    """Values per block of a weight in the pair or six-bit form: 32, or 16 (its scale plane
+    is (..., N / 32, K / B, 32) and its codes (..., N / 32, K / 2, W) words)."""
+    return 2 * w["q6" if is_six(w) else "q8"].shape[-2] // w["scale"].shape[-2]
 
 
 def is_packed(w: Mapping) -> bool:
-    """In one of the kernel's panel forms (nibbles or pairs), which need the weight's shape."""
-    return is_nibbles(w) or is_pairs(w)
+    """In one of the kernel's panel forms (nibbles, pairs or six bits), which need the
+    weight's shape."""
+    return is_nibbles(w) or is_pairs(w) or is_six(w)
 
 
 def block_axis(w: Mapping) -> int:
@@ -294,7 +351,8 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
     scales = {"scale": scale.astype(np.float16), "min": minimum.astype(np.float16)}
     if not (np.array_equal(scales["scale"].astype(np.float32), scale)
             and np.array_equal(scales["min"].astype(np.float32), minimum)):
-        scales = {"scale": scale, "min": minimum}  # Q4_K's: float32, as they are
+        supers = _super_scales(scale, minimum, lead, k, n)  # Q4_K's, as the file has them
+        scales = {"scale": supers} if supers is not None else {"scale": scale, "min": minimum}
     q4 = np.empty((*lead, n // PANEL, k // 2, PANEL), np.uint8)
     for i in np.ndindex(*lead):  # a layer at a time: the temporaries stay one layer's size
         u = (q[i].astype(np.int16) - offset).astype(np.uint8)
@@ -304,9 +362,74 @@ def pack_nibbles(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | Non
         u = u.reshape(n // PANEL, k // 2, 2, PANEL)
         q4[i] = u[..., 0, :] | (u[..., 1, :] << 4)
 
-    planes = {"q4": q4, **{name: _scale_panels(a, lead, k, n) for name, a in scales.items()}}
+    planes = {"q4": q4, **{name: a if a.shape[-1] == SUPER_WORDS else
+                           _scale_panels(a, lead, k, n) for name, a in scales.items()}}
     return {name: a.view(np.uint32) if a.dtype != np.float32 else a
             for name, a in planes.items()}
+
+
+SUPER_BLOCKS = 8  # blocks of 32 in a K-quant's super-block
+SUPER_WORDS = 2 * PANEL + 2 * SUPER_BLOCKS * PANEL // 4  # pack_nibbles' super-block scales
+
+
+def _factor(a: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(R, 8) float32 products, each row some d times 6-bit integers -> (d (R,) float32,
+    codes (R, 8) uint8) with d * codes == a exactly, else None. A K-quant's largest
+    sub-scale is usually 63 (llama.cpp's quantizer picks d so); other divisors are tried for
+    the rows that are not so."""
+    top = np.take_along_axis(a, np.abs(a).argmax(axis=1)[:, None], 1)[:, 0]
+    d, codes = np.zeros(len(a), np.float32), np.zeros(a.shape, np.uint8)
+    todo = np.arange(len(a))
+    for div in range(63, 0, -1):
+        cand = top[todo] / np.float32(div)
+        c = np.rint(a[todo] / np.where(cand == 0, np.float32(1), cand)[:, None])
+        ok = ((c >= 0) & (c <= 63) & (c * cand[:, None] == a[todo])).all(axis=1)
+        d[todo[ok]], codes[todo[ok]] = cand[ok], c[ok]
+        todo = todo[~ok]
+        if not len(todo):
+            return d, codes
+    return None
+
+
+def _super_scales(scale: np.ndarray, minimum: np.ndarray, lead: tuple, k: int,
+                  n: int) -> np.ndarray | None:
+    """Q4_K's float32 block scales and minima (..., K / 32, N) as the products they are, d *
+    sc and -dmin * m, held as such: per stacked layer (N / 32, K / 256, SUPER_WORDS) float32,
+    per panel and super-block d (32 columns), -dmin (32), then the sub-scales sc (8 blocks x
+    32 bytes) and sub-minima m (8 x 32), the bytes as float32 words (the kernel's
+    NibbleSuperCodes). None where some super-block's are not such products."""
+    if k % (BLOCK * SUPER_BLOCKS):
+        return None
+    s, p = k // (BLOCK * SUPER_BLOCKS), n // PANEL
+    out = np.empty((*lead, p, s, SUPER_WORDS), np.float32)
+    for i in np.ndindex(*lead):
+        words = []
+        for a in (scale[i], minimum[i]):
+            rows = a.reshape(s, SUPER_BLOCKS, n).transpose(0, 2, 1).reshape(-1, SUPER_BLOCKS)
+            parts = _factor(np.ascontiguousarray(rows))
+            if parts is None:
+                return None
+            d, codes = parts  # (s n,), (s n, 8)
+            words.append((d.reshape(s, p, PANEL).transpose(1, 0, 2),
+                           codes.reshape(s, p, PANEL, SUPER_BLOCKS).transpose(1, 0, 3, 2)))
+        (d, sc), (dmin, m) = words
+        out[i] = np.concatenate(
+            [d, dmin, np.ascontiguousarray(sc).reshape(p, s, -1).view(np.float32),
+             np.ascontiguousarray(m).reshape(p, s, -1).view(np.float32)], axis=-1)
+    return out
+
+
+def _super_back(plane, xp) -> tuple:
+    """_super_scales' plane of one layer -> its scales and minima as (N / 32, K / 32, 32)."""
+    p, s = plane.shape[:2]
+    halves = 2 * PANEL
+    sub = _words_as(plane[..., halves:], np.uint8, xp).reshape(p, s, 2, SUPER_BLOCKS, PANEL)
+    out = []
+    for j in range(2):
+        d = plane[..., j * PANEL:(j + 1) * PANEL]  # (p, s, 32)
+        out.append((d[:, :, None, :] * sub[:, :, j].astype(np.float32)).reshape(
+            p, s * SUPER_BLOCKS, PANEL))
+    return tuple(out)
 
 
 def _panel_dims(w: Mapping, batch_dims: int):
@@ -355,6 +478,52 @@ def pack_pairs(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | None:
                for name in ("scale", "min")}}
 
 
+def pack_six(w: Mapping, batch_dims: int = 0) -> dict[str, np.ndarray] | None:
+    """A quantized weight (numpy; first `batch_dims` axes stacked layers) whose codes are in
+    [-32, 31] with no minimum (Q6_K's, Q5_0's) in the six-bit form, or None where it is not
+    that or its outputs are not whole panels of 32. Per stacked layer: q6 (N / 32, K / 2, 48)
+    bytes, as uint32 words (last axis 12), and scale (N / 32, K / B, 32) float32 (B the
+    weight's block, 16 or 32); no minimum plane. Pair kp of panel p holds the codes + 32 of
+    its 64 slots (slot 2c + e of half h: row 2kp + e, column 32p + 16h + c) as 32 bytes of
+    nibbles as pack_nibbles lays them out, then 16 bytes of their top two bits: byte j those
+    of slots j, 16 + j, 32 + j and 48 + j, from the lowest bits. 0.75 bytes a weight plus
+    the scales, where the pair form takes 1 plus scales and minima."""
+    dims = _panel_dims(w, batch_dims)
+    if dims is None or np.asarray(w["min"]).any():
+        return None
+    q, lead, k, n = dims
+    if int(q.min(initial=0)) < -32 or int(q.max(initial=0)) > 31:
+        return None
+    q6 = np.empty((*lead, n // PANEL, k // 2, SIX_PAIR_BYTES), np.uint8)
+    for i in np.ndindex(*lead):  # a layer at a time: the temporaries stay one layer's size
+        u = (q[i].astype(np.int16) + 32).astype(np.uint8)
+        # (kp, e, p, h, c) -> (p, kp, h, c, e): slot 32h + 2c + e of pair kp of panel p
+        u = u.reshape(k // 2, 2, n // PANEL, 2, PANEL // 2).transpose(2, 0, 3, 4, 1)
+        u = u.reshape(n // PANEL, k // 2, 2 * PANEL)
+        q6[i][..., :PANEL] = (u[..., :PANEL] & 15) | ((u[..., PANEL:] & 15) << 4)
+        top = (u >> 4).reshape(n // PANEL, k // 2, 4, PANEL // 2)
+        q6[i][..., PANEL:] = (top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4)
+                              | (top[..., 3, :] << 6))
+    block = block_of(w)
+    return {"q6": q6.view(np.uint32),
+            "scale": _scale_panels(np.asarray(w["scale"], np.float32), lead, k, n, block)}
+
+
+def unpack_six(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
+    """The six-bit form of a weight of `shape` (one layer's) back in the int8 form."""
+    q6 = _words_as(w["q6"], np.uint8, xp)
+    n, k = q6.shape[0] * PANEL, q6.shape[1] * 2
+    ax = _contracted_axis(shape, k, n, q6.shape == (n // PANEL, k // 2, SIX_PAIR_BYTES), "six")
+    nib, tops = q6[..., :PANEL], q6[..., PANEL:]
+    low = xp.concatenate([nib & 15, nib >> 4], axis=-1)  # (p, kp, 64) slots
+    top = xp.concatenate([(tops >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    u = (low | (top << 4)).astype(np.int16) - 32
+    q = u.reshape(n // PANEL, k // 2, 2, PANEL // 2, 2).transpose(1, 4, 0, 2, 3)
+    scale_shape = (*shape[:ax], shape[ax] // pair_block(w), *shape[ax + 1:])
+    scale = _scales_back(w["scale"], scale_shape, xp)
+    return {"q": q.reshape(shape).astype(np.int8), "scale": scale, "min": xp.zeros_like(scale)}
+
+
 def unpack_pairs(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
     """The pair form of a weight of `shape` (one layer's) back in the int8 form."""
     q8 = _words_as(w["q8"], np.int8, xp)
@@ -393,7 +562,10 @@ def unpack_nibbles(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
     u = xp.stack([q4 & 15, q4 >> 4], axis=2).reshape(n // PANEL, k // 2, 2, PANEL // 2, 2)
     q = u.transpose(1, 4, 0, 2, 3).reshape(shape).astype(np.int8)
     scale_shape = (*shape[:ax], shape[ax] // BLOCK, *shape[ax + 1:])
-
+    if "min" not in w:  # Q4_K's super-block scales
+        scale, minimum = _super_back(w["scale"], xp)
+        return {"q": q, "scale": _scales_back(scale, scale_shape, xp),
+                "min": _scales_back(minimum, scale_shape, xp)}
     return {"q": q, **{name: _scales_back(w[name] if w[name].dtype == np.float32 else
                                           _words_as(w[name], np.float16, xp), scale_shape, xp)
                        for name in ("scale", "min")}}
@@ -411,7 +583,8 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
         if shape is None:
             raise ValueError("the packed (nibble or pair) form of a weight is read back with "
                              "its shape")
-        w = (unpack_nibbles if is_nibbles(w) else unpack_pairs)(w, shape, jnp)
+        w = (unpack_nibbles if is_nibbles(w) else unpack_six if is_six(w) else
+             unpack_pairs)(w, shape, jnp)
     return _dequantize(w, jnp).astype(dtype)
 
 

@@ -41,7 +41,7 @@ from jaxserve.kernels.attention.base import NO_WINDOW
 from jaxserve.kernels.attention.kv_write import write_kv
 from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
-from jaxserve.kernels.quant import dequantize, is_quantized, requantize_q8
+from jaxserve.kernels.quant import dequantize, is_quantized, is_split, requantize_q8
 from jaxserve.models.config import (
     ModelConfig,
     rope_attention_factor,
@@ -308,7 +308,8 @@ def split_layer_blocks(params: dict, held_apart: Callable[[dict], bool]) -> dict
     "moe") moved from "layers" to LAYER_BLOCKS: every scan iteration then sees those stacks
     whole instead of a copy of its layer's slice."""
     layers = params["layers"]
-    moved = {k: w for k, w in layers.items() if is_quantized(w) and held_apart(w)}
+    moved = {k: w for k, w in layers.items()
+             if is_split(w) or is_quantized(w) and held_apart(w)}
     kept = {k: w for k, w in layers.items() if k not in moved}
     experts = {k: w for k, w in layers.get("moe", {}).items() if is_quantized(w)
                and held_apart(w)}  # a mixture's experts: (L, E, ...) stacks, read at L * E

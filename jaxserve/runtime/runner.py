@@ -116,6 +116,11 @@ def replace_leaves(tree: dict, fn, targets=None) -> dict:
     return tree
 
 
+def is_int(a) -> bool:
+    """An array of integers (a split stack's slots, quant.is_split): never cast to floats."""
+    return hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.integer)
+
+
 def put_waiting(a, sharding):
     """jax.device_put, waiting for the copy: the host array is let go of then, not whenever
     an asynchronous transfer finishes (a model's worth could pile up)."""
@@ -347,7 +352,7 @@ class ModelRunner:
                     p = {**p, HEAD_BLOCKS: cpu_matmul.pack_weight(blocks)}
                     if quant.is_packed(p[HEAD_BLOCKS]):  # the kernel reads it: no float head
                         p.pop("lm_head", None)
-            return replace_leaves(p, lambda a: a if quant.is_quantized(a) else
+            return replace_leaves(p, lambda a: a if quant.is_quantized(a) or is_int(a) else
                                   jnp.asarray(a, self.dtype) if isinstance(a, jax.Array) else
                                   np.asarray(a, self.dtype))
 

@@ -1,7 +1,7 @@
 // y = x @ w for a weight kept in GGUF blocks (kernels/quant.py), called from a jitted step
 // through XLA's FFI.
 //
-// Shapes (five handlers, one per form of the codes; kernels/quant.py makes them). Each
+// Shapes (eight handlers, one per form of the codes; kernels/quant.py makes them). Each
 // handler takes a group of weights of one form that multiply the same x, one y each (see
 // Matmul); per weight:
 //   x      (M, K) float32
@@ -16,14 +16,23 @@
 //   min    (N / 32, K / 32, 32) float16
 //   (all three as uint32 words, (N / 32, K / 2, 8) and (N / 32, K / 32, 16))
 // or, BlockMatmulQ4F, the same codes with scale and min float32 (N / 32, K / 32, 32)
-//   (Q4_K's: its scales are d times a 6-bit sub-scale, which float16 does not hold)
+//   (scales that are d times a 6-bit sub-scale, which float16 does not hold)
+// or, BlockMatmulQ4K, the same codes with Q4_K's scales as the file has them (K a multiple
+//   of 256): scale (N / 32, K / 256, 192) float32, per panel and super-block d and -dmin
+//   for its 32 columns, then each block's 6-bit sc and m, a byte a column (NibbleSuperCodes);
+//   min is not read
+// or, BlockMatmulQ6 and Q6H, codes in [-32, 31] (Q6_K's, Q5_0's), + 32, in six bits, blocks
+//   of 32 or 16 rows of k (kernels/quant.py's pack_six makes it):
+//   q6     (N / 32, K / 2, 48) bytes  panel p, pair of rows kp: the low nibbles as q4's,
+//          then 16 bytes of top bits: byte j holds those of slots j, 16 + j, 32 + j, 48 + j
+//   scale  (N / 32, K / B, 32) float32; min is not read (there is none)
 // or, BlockMatmulQ8, int8 codes in pairs of rows (kernels/quant.py's pack_pairs makes it):
 //   q8     (N / 32, K / 2, 64) int8   panel p, pair of rows kp: byte 2c + e holds
 //          q[2kp + e, 32p + c] (as uint32 words, (N / 32, K / 2, 16))
 //   scale  (N / 32, K / 32, 32) float32   scale[p, b, c] of column 32p + c
 //   min    (N / 32, K / 32, 32) float32
-// or, BlockMatmulQ8H, the same with blocks of 16 rows of k (Q6_K's, and the layers stacked
-// with them): scale and min (N / 32, K / 16, 32), and x scaled per block of 16 alike
+// or, BlockMatmulQ8H, the same with blocks of 16 rows of k: scale and min (N / 32, K / 16,
+// 32), and x scaled per block of 16 alike
 //   layer  () int32   every form may hold a stack of L layers' weights (on axis 0: (L K, N),
 //                     (L N / 32, K / 2, ...), ...): y is layer `layer`'s product, read in
 //                     place (a scanned model's step would otherwise copy each layer's weights
@@ -106,10 +115,12 @@ constexpr float kQMax = 32767.f;
 #if defined(__AVX512F__)
 constexpr int MR = 12;
 constexpr int DR = 6;
+constexpr int kChainsUpTo = 2;  // rows the rows way sums in two chains each (see panel_rows)
 constexpr int64_t kWidenInRegistersUpTo = INT64_MAX;
 #else
 constexpr int MR = 2;
 constexpr int DR = 2;
+constexpr int kChainsUpTo = 1;
 constexpr int64_t kWidenInRegistersUpTo = 8;
 #endif
 
@@ -240,7 +251,12 @@ struct NibbleCodesOf {
   static void pair(const uint8_t* q, int64_t, int kp, i16x& w0, i16x& w1) {  // 32 bytes
     typedef uint8_t u8x32 __attribute__((vector_size(32)));
     typedef int16_t s16x32 __attribute__((vector_size(64)));
+#if defined(__AVX512BW__)  // one widening instruction (GCC's generic one takes halves)
+    const s16x32 b = (s16x32)_mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kp * NP)));
+#else
     const s16x32 b = __builtin_convertvector(load<u8x32>(q + kp * NP), s16x32);
+#endif
     w0 = (i16x)(b & 15), w1 = (i16x)(b >> 4);
   }
 #if HALF_WIDTH
@@ -294,10 +310,141 @@ struct PairCodesOf {
 #endif
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
+// Six-bit codes (Q6_K's, and Q5_0's: any in [-32, 31] without a minimum) as nibbles plus a
+// plane of their top two bits, 0.75 bytes a weight. B: rows of k per scale, 16 or 32.
+template <int B>
+struct SixCodesOf {
+  using Code = uint8_t;
+  using Scale = float;
+  static constexpr int kBlock = B;
+  static constexpr bool kHasMin = false;  // the min argument is not read (y's are 0)
+  static constexpr int kPairBytes = NP + NP / 2;  // 32 bytes of nibbles, 16 of top bits
+  static constexpr ffi::DataType kCodeType = ffi::U32, kScaleType = ffi::F32;
+  static constexpr int64_t kScalesPerElement = 1;
+  // (N / 32, K / 2, 48) codes, (N / 32, K / B, 32) scales: see the file comment.
+  // Layers stacked as (L N / 32, K / 2, 12) words.
+  static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
+    return qd.size() == 3 && qd[2] == kPairBytes / 4 && qd[1] == k / 2 &&
+                   qd[0] % (n / NP) == 0 ? qd[0] / (n / NP) : 0;
+  }
+  static int64_t per_layer(int64_t k, int64_t n) { return k / 2 * (n / NP) * kPairBytes; }
+  static const uint8_t* codes(const uint8_t* q, int64_t p, int64_t kb, int64_t blocks,
+                              int64_t) {
+    return q + (p * blocks + kb) * (B / 2) * kPairBytes;
+  }
+  static int64_t scale_at(int64_t p, int64_t kb, int64_t blocks, int64_t) {
+    return (p * blocks + kb) * NP;
+  }
+  static v16 scales(const float* s) { return load<v16>(s); }
+  // Byte j of the nibbles as NibbleCodes'; byte j of the top bits holds those of pair slots
+  // j, 16 + j, 32 + j and 48 + j, two bits each from the lowest.
+  static void pair(const uint8_t* q, int64_t, int kp, i16x& w0, i16x& w1) {
+    typedef uint8_t u8x16 __attribute__((vector_size(16)));
+    typedef uint8_t u8x32 __attribute__((vector_size(32)));
+    typedef int16_t s16x32 __attribute__((vector_size(64)));
+    const uint8_t* at = q + kp * kPairBytes;
+    const s16x32 b = __builtin_convertvector(load<u8x32>(at), s16x32);
+    const u8x16 t = load<u8x16>(at + NP);
+    const s16x32 top = __builtin_convertvector(
+        __builtin_shufflevector(t, t, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        s16x32) << 4;
+    const s16x32 lo_shift = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                             2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+    w0 = (i16x)(((b & 15) | ((top >> lo_shift) & 48)) - 32);
+    w1 = (i16x)(((b >> 4) | ((top >> (lo_shift + 4)) & 48)) - 32);
+  }
+#if HALF_WIDTH
+  static void pair8(const uint8_t* q, int64_t n, int kp, __m256i w[4]) {  // as Int8Codes'
+    i16x w0, w1;
+    pair(q, n, kp, w0, w1);
+    std::memcpy(w, &w0, sizeof w0), std::memcpy(w + 2, &w1, sizeof w1);
+  }
+#endif
+  static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
+};
+
+// A panel's 32 block minima from `s` where the form has them, else zeros.
+template <typename Codes>
+inline v16 minima(const typename Codes::Scale* s) {
+  if constexpr (requires { Codes::kHasMin; }) {
+    if constexpr (!Codes::kHasMin) return v16{};
+  }
+  return Codes::scales(s);
+}
+
+// Q4_K's nibbles with its scales as it keeps them: per panel and super-block of 8 blocks
+// (256 rows of k), 192 words: d (32 float32, one a column), -dmin (32 float32), then each
+// block's 6-bit sub-scales sc (8 x 32 bytes) and sub-minima m (8 x 32 bytes). A block's scale
+// is d * sc and its minimum -dmin * m, formed as the kernel reads them (both products exact in
+// float32, so the same numbers as NibbleFloatCodes'), in 0.09 bytes a weight instead of 0.25.
+struct NibbleSuperCodes : NibbleCodesOf<float> {
+  static constexpr int kSuper = 8;  // blocks per super-block
+  static constexpr int64_t kSuperWords = 2 * NP + 2 * kSuper * NP / 4;
+  static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
+    return k % (KB * kSuper) == 0 ? NibbleCodesOf<float>::layers(qd, k, n) : 0;
+  }
+  static int64_t scale_units(int64_t k, int64_t n) {  // floats of the scale plane a layer
+    return n / NP * (k / (KB * kSuper)) * kSuperWords;
+  }
+  // 16 bytes as floats (GCC's generic conversion of a byte vector goes lane by lane).
+  static v16 floats(const uint8_t* b) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
+#elif defined(__AVX2__)
+    __m256 h[2];
+    for (int i = 0; i < 2; ++i)
+      h[i] = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * i))));
+    return load<v16>(h);
+#else
+    v16 f;
+    for (int i = 0; i < V; ++i) f[i] = b[i];
+    return f;
+#endif
+  }
+  // Block kb's scales and minima of panel p, the 16 columns of each half.
+  static void block_scales(const float* plane, int64_t p, int64_t kb, int64_t blocks,
+                           v16 (&s)[2], v16 (&m)[2]) {
+    const float* at = plane + (p * (blocks / kSuper) + kb / kSuper) * kSuperWords;
+    const uint8_t* sub = reinterpret_cast<const uint8_t*>(at + 2 * NP) + (kb % kSuper) * NP;
+    for (int h = 0; h < 2; ++h) {
+      s[h] = load<v16>(at + h * V) * floats(sub + h * V);
+      m[h] = load<v16>(at + NP + h * V) * floats(sub + kSuper * NP + h * V);
+    }
+  }
+};
+
+// Block kb's scales and minima of panel p, the 16 columns of each half, from the planes.
+template <typename Codes, typename S>
+inline void block_scales(const S* scale, const S* min, int64_t p, int64_t kb, int64_t blocks,
+                         int64_t n, v16 (&s)[2], v16 (&m)[2]) {
+  if constexpr (requires { Codes::kSuper; }) {
+    Codes::block_scales(scale, p, kb, blocks, s, m);
+  } else {
+    const int64_t at = Codes::scale_at(p, kb, blocks, n);
+    s[0] = Codes::scales(scale + at), s[1] = Codes::scales(scale + at + V);
+    m[0] = minima<Codes>(min + at), m[1] = minima<Codes>(min + at + V);
+  }
+}
+
+// The scales (of type Codes::Scale) a layer's scale (and min) plane holds.
+template <typename Codes>
+inline int64_t scale_units(int64_t k, int64_t n) {
+  if constexpr (requires { Codes::kSuper; }) {
+    return Codes::scale_units(k, n);
+  } else {
+    return k / Codes::kBlock * n;
+  }
+}
+
 using NibbleCodes = NibbleCodesOf<uint16_t>;
 using NibbleFloatCodes = NibbleCodesOf<float>;
 using PairCodes = PairCodesOf<KB>;
 using PairHalfCodes = PairCodesOf<KB / 2>;
+using SixCodes = SixCodesOf<KB>;
+using SixHalfCodes = SixCodesOf<KB / 2>;
 
 // x in the form the tiles read: per row r and block b, xq[r, k] int16, xs[r, b] and the float
 // sum of the block's x, sx[r, b].
@@ -518,6 +665,20 @@ struct Problem {
   int64_t m, k, n;
 };
 
+// The rows way's reads run ahead of the stream: block kb's worth of codes kAhead bytes on.
+// A core keeps too few reads in flight on its own to reach the memory's bandwidth at a row
+// or two, where little work sits between the reads. (The int8 form's rows are N apart.)
+constexpr int64_t kAhead = 4096;
+template <typename Codes>
+inline void ahead(const Problem<Codes>& pr, int64_t p, int64_t kb, int64_t blocks) {
+  if constexpr (!std::is_same_v<Codes, Int8Codes>) {
+    const char* at = reinterpret_cast<const char*>(Codes::codes(pr.q, p, kb, blocks, pr.n));
+    const int64_t bytes =
+        reinterpret_cast<const char*>(Codes::codes(pr.q, p, kb + 1, blocks, pr.n)) - at;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(at + kAhead + o);
+  }
+}
+
 // Rows r0 to r0 + R of y's panel p, the rows way (see the file comment).
 template <typename Codes, int R>
 void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
@@ -532,6 +693,7 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
     for (auto& h : c[r]) h = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < blocks; ++kb) {
     const auto* q = Codes::codes(pr.q, p, kb, blocks, N);
+    ahead<Codes>(pr, p, kb, blocks);
     __m256i a[R][4];
     for (int r = 0; r < R; ++r)
       for (auto& h : a[r]) h = _mm256_setzero_si256();
@@ -545,10 +707,11 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
           a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(w[h], pair));
       }
     }
-    const int64_t at = Codes::scale_at(p, kb, blocks, N);
+    v16 s[2], m[2];
+    block_scales<Codes>(pr.scale, pr.min, p, kb, blocks, N, s, m);
     __m256 sc[4], mn[4];
-    quarters(Codes::scales(pr.scale + at), Codes::scales(pr.scale + at + V), sc);
-    quarters(Codes::scales(pr.min + at), Codes::scales(pr.min + at + V), mn);
+    quarters(s[0], s[1], sc);
+    quarters(m[0], m[1], mn);
     for (int r = 0; r < R; ++r) {
       const __m256 x_scale = _mm256_set1_ps(xs[r * blocks + kb]);
       const __m256 x_sum = _mm256_set1_ps(sx[r * blocks + kb]);
@@ -563,23 +726,30 @@ void panel_rows(const Problem<Codes>& pr, int64_t p, int64_t r0) {
   for (int r = 0; r < R; ++r) c0[r] = v16{}, c1[r] = v16{};
   for (int64_t kb = 0; kb < blocks; ++kb) {
     const auto* q = Codes::codes(pr.q, p, kb, blocks, N);
-    i16x a0[R], a1[R];
-    for (int r = 0; r < R; ++r) a0[r] = i16x{}, a1[r] = i16x{};
+    ahead<Codes>(pr, p, kb, blocks);
+    // At a row or two, each sum in two chains (pairs kp taken alternately), added at the end
+    // (integers: the same sums): one chain would wait on each product's latency.
+    constexpr int CH = R <= kChainsUpTo ? 2 : 1;
+    i16x a0[R][CH], a1[R][CH];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CH; ++c) a0[r][c] = i16x{}, a1[r][c] = i16x{};
 #pragma GCC unroll 16
     for (int kp = 0; kp < B / 2; ++kp) {
       i16x w0, w1;
       Codes::pair(q, N, kp, w0, w1);
       for (int r = 0; r < R; ++r) {
         const int32_t pair = load<int32_t>(xq + r * K + kb * B + 2 * kp);
-        a0[r] = dot_pairs(a0[r], w0, pair);
-        a1[r] = dot_pairs(a1[r], w1, pair);
+        a0[r][kp % CH] = dot_pairs(a0[r][kp % CH], w0, pair);
+        a1[r][kp % CH] = dot_pairs(a1[r][kp % CH], w1, pair);
       }
     }
-    const int64_t at = Codes::scale_at(p, kb, blocks, N);
-    const v16 s0 = Codes::scales(pr.scale + at), s1 = Codes::scales(pr.scale + at + V);
-    const v16 m0 = Codes::scales(pr.min + at), m1 = Codes::scales(pr.min + at + V);
     for (int r = 0; r < R; ++r)
-      fold(c0[r], c1[r], a0[r], a1[r], s0, s1, m0, m1, xs[r * blocks + kb], sx[r * blocks + kb]);
+      for (int c = 1; c < CH; ++c) a0[r][0] += a0[r][c], a1[r][0] += a1[r][c];
+    v16 s[2], m[2];
+    block_scales<Codes>(pr.scale, pr.min, p, kb, blocks, N, s, m);
+    for (int r = 0; r < R; ++r)
+      fold(c0[r], c1[r], a0[r][0], a1[r][0], s[0], s[1], m[0], m[1], xs[r * blocks + kb],
+           sx[r * blocks + kb]);
   }
   for (int r = 0; r < R; ++r) {
     store(pr.y + (r0 + r) * N + p * NP, c0[r]);
@@ -609,15 +779,14 @@ void panel(const Problem<Codes>& pr, int64_t p, std::vector<float>& acc,
   acc.assign(pr.m * NP, 0.f);
   w.resize(B * NP);
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    const int64_t at = Codes::scale_at(p, kb, blocks, N);
-    const v16 s0 = Codes::scales(pr.scale + at), s1 = Codes::scales(pr.scale + at + V);
-    const v16 m0 = Codes::scales(pr.min + at), m1 = Codes::scales(pr.min + at + V);
+    v16 s[2], m[2];
+    block_scales<Codes>(pr.scale, pr.min, p, kb, blocks, N, s, m);
     widen<Codes>(Codes::codes(pr.q, p, kb, blocks, N), N, w.data());
     for (int64_t r = 0; r < pr.m; r += MR) {
       const int64_t rows = std::min<int64_t>(MR, pr.m - r);
       kTiles<B / 2>[rows - 1](pr.xq + r * pr.k + kb * B, pr.k,
                        pr.xs + r * blocks + kb, pr.sx + r * blocks + kb,
-                       blocks, w.data(), s0, s1, m0, m1, acc.data() + r * NP);
+                       blocks, w.data(), s[0], s[1], m[0], m[1], acc.data() + r * NP);
     }
   }
   for (int64_t r = 0; r < pr.m; ++r)
@@ -641,7 +810,7 @@ ffi::Error weigh(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
   const int64_t k = xd.size() == 2 ? xd[1] : 0, n = yd.size() == 2 ? yd[1] : 0;
   const int64_t stacked = k > 0 && k % Codes::kBlock == 0 && n > 0 && n % NP == 0 &&
                                   yd[0] == xd[0] ? Codes::layers(q->dimensions(), k, n) : 0;
-  const int64_t scales = k / Codes::kBlock * n;  // per layer
+  const int64_t scales = stacked ? scale_units<Codes>(k, n) : 0;  // per layer
   const int64_t held = Codes::kScalesPerElement;
   if (stacked == 0 || int64_t(scale->element_count()) * held != stacked * scales ||
       int64_t(min->element_count()) * held != stacked * scales)
@@ -768,7 +937,7 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buffer,
   const QuantizedRows& rows = quantize_rows<Codes::kBlock>(pool, x_buffer.typed_data(), m, k);
   std::vector<Problem<Codes>> group;  // (weight, expert) pairs with rows
   for (const auto& w : whole) {
-    const int64_t scales = k / Codes::kBlock * w.n;
+    const int64_t scales = scale_units<Codes>(k, w.n);
     for (int64_t e = 0, r0 = 0; e < experts && r0 < m; r0 += sz[e], ++e) {
       const int64_t r = std::min<int64_t>(sz[e], m - r0);
       if (r == 0) continue;
@@ -817,10 +986,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4, Matmul<NibbleCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4F, Matmul<NibbleFloatCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8, Matmul<PairCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ8H, Matmul<PairHalfCodes>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ4K, Matmul<NibbleSuperCodes>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ6, Matmul<SixCodes>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockMatmulQ6H, Matmul<SixHalfCodes>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmul, GroupedMatmul<Int8Codes>, GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ4, GroupedMatmul<NibbleCodes>, GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ4F, GroupedMatmul<NibbleFloatCodes>,
                               GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ8, GroupedMatmul<PairCodes>, GroupedBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ8H, GroupedMatmul<PairHalfCodes>,
+                              GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ6, GroupedMatmul<SixCodes>, GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ6H, GroupedMatmul<SixHalfCodes>,
+                              GroupedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockMatmulQ4K, GroupedMatmul<NibbleSuperCodes>,
                               GroupedBinding());

@@ -51,7 +51,12 @@ def make_weight(rng, shape, block_axis, kind="Q4_1"):
     elif kind in ("Q4_K", "Q5_K"):
         q = rng.integers(0, 16 if kind == "Q4_K" else 32, shape)
         sc, mins = rng.integers(0, 64, scale_shape), rng.integers(0, 64, scale_shape)
-        d, dmin = half(rng.random(scale_shape) * 1e-3 + 1e-5), half(rng.random(scale_shape) * 3e-3)
+        # d and dmin shared by the 8 blocks of a super-block where the blocks make whole ones
+        supers = list(scale_shape)
+        per = quant.SUPER_BLOCKS if supers[block_axis] % quant.SUPER_BLOCKS == 0 else 1
+        supers[block_axis] //= per
+        d, dmin = (np.repeat(half(rng.random(supers) * scale), per, block_axis)
+                   for scale in (1e-3, 3e-3))
         s, m = (d * sc).astype(np.float32), (-(dmin * mins)).astype(np.float32)
         return {"q": jnp.asarray(q, jnp.int8), "scale": jnp.asarray(s), "min": jnp.asarray(m)}
     else:  # as llama.cpp makes them: each block's largest magnitude is the code +-127
@@ -76,6 +81,12 @@ def in_form(w, form):
         assert packed is not None and packed["q8"].dtype == np.uint32
         held = quant.unpack_pairs(packed, planes["q"].shape)
         np.testing.assert_array_equal(held["q"], planes["q"])
+    elif form == "six":
+        packed = quant.pack_six(planes)
+        assert packed is not None and set(packed) == {"q6", "scale"}
+        assert packed["q6"].nbytes * 4 == planes["q"].nbytes * 3  # 6 bits a weight
+        held = quant.unpack_six(packed, planes["q"].shape)
+        np.testing.assert_array_equal(held["q"], planes["q"])
     else:
         packed = quant.pack_nibbles(planes)
         halves = np.array_equal(planes["scale"].astype(np.float16).astype(np.float32),
@@ -90,11 +101,12 @@ def in_form(w, form):
 
 
 # (kind, form) pairs: Q8_0's and the 5-bit codes have no nibble form; Q4_K's has float32
-# scales. Q6_K's blocks of 16 are read in the pair form alone.
+# scales (at these sizes: test_q4_k_super_blocks has K a multiple of 256). Q6_K's blocks of
+# 16 are read in the pair and six-bit forms alone; Q5_0's codes fit six bits too.
 CASES = [("Q4_1", "int8"), ("Q4_1", "nibbles"), ("Q4_1", "pairs"), ("Q4_0", "int8"),
          ("Q4_0", "nibbles"), ("Q8_0", "int8"), ("Q8_0", "pairs"), ("Q5_0", "pairs"),
-         ("Q5_1", "pairs"), ("Q4_K", "int8"), ("Q4_K", "nibbles"), ("Q4_K", "pairs"),
-         ("Q5_K", "pairs"), ("Q6_K", "pairs")]
+         ("Q5_0", "six"), ("Q5_1", "pairs"), ("Q4_K", "int8"), ("Q4_K", "nibbles"),
+         ("Q4_K", "pairs"), ("Q5_K", "pairs"), ("Q6_K", "pairs"), ("Q6_K", "six")]
 
 
 def expanded(w, contract):
@@ -183,6 +195,80 @@ def test_packed_forms_give_the_same_numbers(rows, kind, form):
     np.testing.assert_array_equal(
         np.asarray(block_matmul(x, in_form(w, form)[0], 1, (256, 160))),
         np.asarray(block_matmul(x, w)))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 13, 40])
+def test_the_six_bit_form_gives_the_pair_forms_numbers(rows):
+    """Q6_K's codes in six bits (nibbles and a plane of top bits, 0.75 bytes a weight instead
+    of 1, no minima) widen to the same int16 pairs as the pair form's: y bit-identical."""
+    rng = np.random.default_rng(30 + rows)
+    w = {k: np.asarray(a) for k, a in make_weight(rng, (256, 160), 0, "Q6_K").items()}
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32)
+    six, pairs = quant.pack_six(w), quant.pack_pairs(w)
+    np.testing.assert_array_equal(np.asarray(block_matmul(x, six, 1, (256, 160))),
+                                  np.asarray(block_matmul(x, pairs, 1, (256, 160))))
+    assert quant.pack_six({**w, "min": w["scale"]}) is None  # a minimum: not this form
+    assert quant.pack_six({**w, "q": w["q"] * 2}) is None  # codes past six bits
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 13, 40])
+def test_q4_k_super_blocks(rows):
+    """Q4_K's scales held as the file has them, per super-block of 256 rows d and dmin and
+    per block 6-bit sc and m (0.59 bytes a weight instead of 0.75): the same weights, y
+    bit-identical to the int8 form's, in place in a stack of layers; a weight whose scales are
+    not such products keeps float32 ones."""
+    rng = np.random.default_rng(40 + rows)
+    layers = [{k: np.asarray(a) for k, a in make_weight(rng, (512, 96), 0, "Q4_K").items()}
+              for _ in range(3)]
+    stack = {k: np.stack([w[k] for w in layers]) for k in quant.PLANES}
+    packed = quant.pack_nibbles(stack, 1)
+    assert set(packed) == {"q4", "scale"}
+    assert packed["scale"].shape == (3, 3, 2, quant.SUPER_WORDS)  # (L, N / 32, K / 256, .)
+    nbytes = sum(a.nbytes for a in packed.values()) / stack["q"].size
+    assert nbytes == 0.5 + 0.09375
+    x = jnp.asarray(rng.standard_normal((rows, 512)), jnp.float32)
+    run = jax.jit(lambda x, w, i: block_matmul(x, w, 1, (512, 96), i))
+    for i, w in enumerate(layers):
+        one = {k: a[i] for k, a in packed.items()}
+        back = quant.unpack_nibbles(one, (512, 96))
+        assert all(np.array_equal(back[k], w[k]) for k in quant.PLANES)
+        np.testing.assert_array_equal(np.asarray(run(x, packed, i)),
+                                      np.asarray(block_matmul(x, w)))
+    odd = {**layers[0], "scale": layers[0]["scale"].copy()}
+    odd["scale"][3, 5] = np.float32(np.pi)  # not a float16 times a 6-bit integer
+    assert quant.pack_nibbles(odd)["scale"].dtype == np.float32
+    assert "min" in quant.pack_nibbles(odd)
+
+
+def test_a_stack_mixing_q6_k_layers_splits_by_block():
+    """A stack of layers where some are Q6_K's blocks of 16 and the others blocks of 32
+    taken as 16 (a Q4_K_M file's ffn_down) splits into a stack of each, each in its own form;
+    block_matmul_or_none at a (traced) layer computes on the part that holds it, as the
+    layer's own weight does. One such layer alone goes back to blocks of 32."""
+    rng = np.random.default_rng(9)
+    k4 = [{k: np.asarray(a) for k, a in make_weight(rng, (256, 64), 0, "Q4_K").items()}
+          for _ in range(2)]
+    k6 = [{k: np.asarray(a) for k, a in make_weight(rng, (256, 64), 0, "Q6_K").items()}
+          for _ in range(2)]
+    order = [k4[0], k6[0], k6[1], k4[1]]
+    # as one_block stacks them: blocks of 32 as 16, each scale and minimum twice
+    halved = [w if i in (1, 2) else {"q": w["q"], **{p: np.repeat(w[p], 2, 0)
+                                                      for p in ("scale", "min")}}
+              for i, w in enumerate(order)]
+    stack = {k: np.stack([w[k] for w in halved]) for k in quant.PLANES}
+    split = cpu_matmul.pack_weight(stack, 1)
+    assert quant.is_split(split) and split["slot"].tolist() == [0, -1, -2, 1]
+    assert "min" not in split["parts"]["b32"] and quant.is_six(split["parts"]["b16"])
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    run = jax.jit(lambda x, w, i: block_matmul_or_none(x, [w], 1, [(256, 64)], i)[0])
+    for i, w in enumerate(order):
+        np.testing.assert_array_equal(np.asarray(run(x, split, i)),
+                                      np.asarray(block_matmul(x, cpu_matmul.pack_weight(w), 1,
+                                                              (256, 64))))
+    # in a group, or without a layer, the kernel does not take it
+    assert block_matmul_or_none(x, [split, split], 1, [(256, 64)] * 2, 0) is None
+    alone = cpu_matmul.pack_weight(halved[0])
+    assert quant.is_nibbles(alone) and "min" not in alone
 
 
 @pytest.mark.parametrize("kind, form", CASES)
@@ -429,17 +515,19 @@ def test_the_paths_of_cpus_with_fewer_instructions(name, monkeypatch):
     this CPU's does, rows around each path's tiles, and keeps a row's numbers whatever the
     other rows are (CI's CPU may have AVX-512, so its own path never runs them)."""
     names = fewer_targets(name)
-    for attr in ("TARGET", "TARGET_NIBBLES", "TARGET_PAIRS", "TARGET_PAIRS_HALF"):
+    for attr in ("TARGET", "TARGET_NIBBLES", "TARGET_NIBBLES_F32", "TARGET_NIBBLES_SUPER",
+                 "TARGET_PAIRS", "TARGET_PAIRS_HALF", "TARGET_SIX", "TARGET_SIX_HALF"):
         monkeypatch.setattr(cpu_matmul, attr, names[getattr(cpu_matmul, attr)])
     rng = np.random.default_rng(11)
-    for kind, form in CASES:
-        w, held = in_form(make_weight(rng, (160, 96), 0, kind), form)
-        x = jnp.asarray(rng.standard_normal((16, 160)), jnp.float32)
-        full = block_matmul(x, w, 1, (160, 96))  # eager: the monkeypatched targets
+    # (K 256: Q4_K's nibbles with their super-block scales)
+    for (kind, form), k in [*((case, 160) for case in CASES), (("Q4_K", "nibbles"), 256)]:
+        w, held = in_form(make_weight(rng, (k, 96), 0, kind), form)
+        x = jnp.asarray(rng.standard_normal((16, k)), jnp.float32)
+        full = block_matmul(x, w, 1, (k, 96))  # eager: the monkeypatched targets
         assert_close(full, expected(x, held, 1))
         assert_within_scaling(full, x, expanded(held, 1), codes_part(held, 1))
         for lo, hi in [(0, 1), (3, 5), (2, 9), (0, 13)]:
-            np.testing.assert_array_equal(np.asarray(block_matmul(x[lo:hi], w, 1, (160, 96))),
+            np.testing.assert_array_equal(np.asarray(block_matmul(x[lo:hi], w, 1, (k, 96))),
                                           np.asarray(full)[lo:hi])
 
 

@@ -261,12 +261,20 @@ def test_k_quant_model_keeps_its_blocks_and_matches_hf(tiny_k_gguf, caplog):
         held = {**engine.runner.params["layers"], **engine.runner.params.get(LAYER_BLOCKS, {})}
         cfg = engine.runner.model_config
         shape = (cfg.intermediate_size, cfg.hidden_size)
-        assert cpu_matmul._form(held["w_down"])[0] == cpu_matmul.TARGET_PAIRS_HALF
-        assert cpu_matmul.fits(held["w_down"], 1, shape, stacked=True)
-        assert cpu_matmul._form(held["w_gate"])[0] == cpu_matmul.TARGET_NIBBLES_F32  # Q4_K
+        # w_down mixes a Q4_K layer and a Q6_K one: two stacks, each in its own form
+        down = held["w_down"]
+        assert quant.is_split(down) and down["slot"].tolist() == [0, -1]
+        assert cpu_matmul._form(down["parts"]["b32"])[0] == cpu_matmul.TARGET_NIBBLES_SUPER
+        assert cpu_matmul._form(down["parts"]["b16"])[0] == cpu_matmul.TARGET_SIX_HALF
+        assert all(cpu_matmul.fits(p, 1, shape, stacked=True) for p in down["parts"].values())
+        # wv: Q6_K, then Q5_0 (six-bit codes in blocks of 32)
+        assert [cpu_matmul._form(held["wv"]["parts"][p])[0] for p in ("b32", "b16")] == [
+            cpu_matmul.TARGET_SIX, cpu_matmul.TARGET_SIX_HALF]
+        assert cpu_matmul._form(held["w_gate"])[0] == cpu_matmul.TARGET_NIBBLES_SUPER  # Q4_K
+        assert cpu_matmul._form(held["w_up"])[0] == cpu_matmul.TARGET_SIX_HALF  # Q6_K
         # the head's blocks as the file has them; the float copy is not kept
         head = engine.runner.params[HEAD_BLOCKS]
-        assert cpu_matmul._form(head)[0] == cpu_matmul.TARGET_PAIRS_HALF
+        assert cpu_matmul._form(head)[0] == cpu_matmul.TARGET_SIX_HALF
         assert "lm_head" not in engine.runner.params
     hf = load_hf_model(tiny_k_gguf)
     rng = np.random.default_rng(5)  # _run's prompts
