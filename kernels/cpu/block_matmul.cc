@@ -159,6 +159,7 @@ struct Int8Codes {
   using Code = int8_t;
   using Scale = float;
   static constexpr int kBlock = KB;  // rows of k per scale
+  static constexpr bool kReadAhead = false;  // see ahead() (its rows are N apart)
   // The planes' FFI types, and how many scales each element of a scale plane holds.
   static constexpr ffi::DataType kCodeType = ffi::S8, kScaleType = ffi::F32;
   static constexpr int64_t kScalesPerElement = 1;
@@ -214,6 +215,7 @@ struct NibbleCodesOf {
   using Scale = S;
   static constexpr bool kHalf = std::is_same_v<S, uint16_t>;
   static constexpr int kBlock = KB;
+  static constexpr bool kReadAhead = true;
   static constexpr ffi::DataType kCodeType = ffi::U32;  // words
   static constexpr ffi::DataType kScaleType = kHalf ? ffi::U32 : ffi::F32;
   static constexpr int64_t kScalesPerElement = kHalf ? 2 : 1;
@@ -279,6 +281,7 @@ struct PairCodesOf {
   using Code = int8_t;
   using Scale = float;
   static constexpr int kBlock = B;
+  static constexpr bool kReadAhead = false;
   static constexpr ffi::DataType kCodeType = ffi::U32, kScaleType = ffi::F32;  // code words
   static constexpr int64_t kScalesPerElement = 1;
   // (N / 32, K / 2, 64) codes, (N / 32, K / B, 32) scales: see the file comment.
@@ -317,6 +320,7 @@ struct SixCodesOf {
   using Code = uint8_t;
   using Scale = float;
   static constexpr int kBlock = B;
+  static constexpr bool kReadAhead = true;
   static constexpr bool kHasMin = false;  // the min argument is not read (y's are 0)
   static constexpr int kPairBytes = NP + NP / 2;  // 32 bytes of nibbles, 16 of top bits
   static constexpr ffi::DataType kCodeType = ffi::U32, kScaleType = ffi::F32;
@@ -665,13 +669,14 @@ struct Problem {
   int64_t m, k, n;
 };
 
-// The rows way's reads run ahead of the stream: block kb's worth of codes kAhead bytes on.
-// A core keeps too few reads in flight on its own to reach the memory's bandwidth at a row
-// or two, where little work sits between the reads. (The int8 form's rows are N apart.)
+// The rows way's reads run ahead of the stream in the forms that say so (kReadAhead): block
+// kb's worth of codes kAhead bytes on. With several operations to widen each pair of rows
+// (nibbles, six bits) a core keeps too few reads in flight on its own to reach the memory's
+// bandwidth; the pair form's reads reach it unaided, and prefetching them costs.
 constexpr int64_t kAhead = 4096;
 template <typename Codes>
 inline void ahead(const Problem<Codes>& pr, int64_t p, int64_t kb, int64_t blocks) {
-  if constexpr (!std::is_same_v<Codes, Int8Codes>) {
+  if constexpr (Codes::kReadAhead) {
     const char* at = reinterpret_cast<const char*>(Codes::codes(pr.q, p, kb, blocks, pr.n));
     const int64_t bytes =
         reinterpret_cast<const char*>(Codes::codes(pr.q, p, kb + 1, blocks, pr.n)) - at;
