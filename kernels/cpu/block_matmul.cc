@@ -150,7 +150,15 @@ inline i16x dot_pairs(i16x acc, i16x w, int32_t pair) {
 #endif
 }
 
-// The three forms of the codes. Each says how its planes' dimensions give K and N, where block
+// How many layers a panel form's codes of dims qd hold, stacked as (L N / 32, K / 2, W) words
+// of `pair_bytes` bytes a pair of rows of a panel; 0 if they are not that.
+inline int64_t panel_layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n,
+                            int64_t pair_bytes) {
+  return qd.size() == 3 && qd[2] == pair_bytes / 4 && qd[1] == k / 2 && qd[0] % (n / NP) == 0
+             ? qd[0] / (n / NP) : 0;
+}
+
+// The forms of the codes. Each says how its planes' dimensions give K and N, where block
 // kb of panel p starts in the codes and the scales, how pair kp of that block's rows widens to
 // int16 pairs (w0, w1: lane c of w0 holds (q[2kp][c], q[2kp + 1][c]) for the panel's first 16
 // columns c, w1 the next 16), how a panel's 32 block scales (or minima) load as floats, and up
@@ -222,8 +230,7 @@ struct NibbleCodesOf {
   // (N / 32, K / 2, 32) codes, (N / 32, K / 32, 32) scales: see the file comment.
   // Layers stacked as (L N / 32, K / 2, 8) words.
   static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
-    return qd.size() == 3 && qd[2] == NP / 4 && qd[1] == k / 2 && qd[0] % (n / NP) == 0
-               ? qd[0] / (n / NP) : 0;
+    return panel_layers(qd, k, n, NP);
   }
   static int64_t per_layer(int64_t k, int64_t n) { return k * n / 2; }  // bytes
   static const uint8_t* codes(const uint8_t* q, int64_t p, int64_t kb, int64_t blocks,
@@ -275,7 +282,7 @@ struct NibbleCodesOf {
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
 
-// B: rows of k per scale, 32 or (PairHalfCodes, Q6_K's) 16; the codes' layout is the same.
+// B: rows of k per scale, 32 or 16; the codes' layout is the same.
 template <int B>
 struct PairCodesOf {
   using Code = int8_t;
@@ -287,8 +294,7 @@ struct PairCodesOf {
   // (N / 32, K / 2, 64) codes, (N / 32, K / B, 32) scales: see the file comment.
   // Layers stacked as (L N / 32, K / 2, 16) words.
   static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
-    return qd.size() == 3 && qd[2] == 2 * NP / 4 && qd[1] == k / 2 && qd[0] % (n / NP) == 0
-               ? qd[0] / (n / NP) : 0;
+    return panel_layers(qd, k, n, 2 * NP);
   }
   static int64_t per_layer(int64_t k, int64_t n) { return k * n; }  // codes
   static const int8_t* codes(const int8_t* q, int64_t p, int64_t kb, int64_t blocks, int64_t) {
@@ -313,6 +319,7 @@ struct PairCodesOf {
 #endif
   static constexpr int64_t kFewRows = kWidenInRegistersUpTo;
 };
+
 // Six-bit codes (Q6_K's, and Q5_0's: any in [-32, 31] without a minimum) as nibbles plus a
 // plane of their top two bits, 0.75 bytes a weight. B: rows of k per scale, 16 or 32.
 template <int B>
@@ -328,8 +335,7 @@ struct SixCodesOf {
   // (N / 32, K / 2, 48) codes, (N / 32, K / B, 32) scales: see the file comment.
   // Layers stacked as (L N / 32, K / 2, 12) words.
   static int64_t layers(ffi::Span<const int64_t> qd, int64_t k, int64_t n) {
-    return qd.size() == 3 && qd[2] == kPairBytes / 4 && qd[1] == k / 2 &&
-                   qd[0] % (n / NP) == 0 ? qd[0] / (n / NP) : 0;
+    return panel_layers(qd, k, n, kPairBytes);
   }
   static int64_t per_layer(int64_t k, int64_t n) { return k / 2 * (n / NP) * kPairBytes; }
   static const uint8_t* codes(const uint8_t* q, int64_t p, int64_t kb, int64_t blocks,
