@@ -14,9 +14,16 @@ i.e. CUDA graphs, it built) are the program a GPU would run. From them:
   operands, the KV pool charged the pages the step's context reads. Left out: caches (L2
   hits count as HBM traffic), re-reads inside a kernel (a matmul's tiles), and the bytes of
   work a loop skips (an early-exiting loop counts every trip).
+- **collectives** (tensor parallelism): each all-reduce, all-gather, reduce-scatter,
+  all-to-all or collective permute per call, loop bodies times their trips, with the bytes of
+  its result; in the launch list, whether it sits in a command buffer.
 - **floor**: the weights read once plus the KV the step's context reads, once.
 - **predicted**: bytes at the target's bandwidth, plus stated costs for each launch outside a
-  graph, each graph launched and each host sync. A model, not a measurement.
+  graph, each graph launched and each host sync, plus the collectives: a ring moves 2(n-1)/n of
+  an all-reduce's bytes over each device's link ((n-1)/n of the others'), at LINK_BANDWIDTH,
+  plus COLLECTIVE_US each. A model, not a measurement.
+
+Under tensor parallelism every figure is one device's: the partitioned program's shapes.
 """
 
 from __future__ import annotations
@@ -36,6 +43,13 @@ from jaxserve.bench.op_count import BRANCHES, CALLS, FREE, TRIPS, Instr, parse_h
 LAUNCH_US = 3.0
 GRAPH_US = 5.0
 SYNC_US = 10.0
+# A collective's fixed cost (microseconds) and the bytes per second each device's link moves
+# one way: NVLink 4 on H100/H200 (450 GB/s each way).
+COLLECTIVE_US = 8.0
+LINK_BANDWIDTH = 450e9
+# opcode -> the share of its result's bytes a ring moves over each link, times n / (n - 1)
+COLLECTIVES = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0,
+               "collective-permute": 1.0}
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -104,6 +118,7 @@ class HloBytes:
         self.kv_read = kv_read
         self.kernels: dict[str, KernelCost] = {}
         self.conditionals = 0
+        self.collectives: dict[str, KernelCost] = {}  # by collective opcode: runs, result bytes
         self._walk(self.entry, 1)
 
     @property
@@ -145,7 +160,31 @@ class HloBytes:
                     or ins.opcode == "call":
                 self._walk(called.get("calls") or called.get("to_apply"), times)
             elif ins.opcode not in _FREE:
+                self._count_collective(ins, times)
                 self._charge(ins, times)
+
+    def _count_collective(self, ins: Instr, times: int) -> None:
+        """Count `ins` if it is a collective, or a fusion around one (XLA:GPU wraps them)."""
+        if ins.opcode == "fusion":
+            for inner in self.comps.get(dict(CALLS.findall(ins.attrs)).get("calls", ""), ()):
+                self._count_collective(inner, times)
+            return
+        kind = ins.opcode.removesuffix("-start")
+        if kind in COLLECTIVES:
+            c = self.collectives.setdefault(kind, KernelCost(kind, kind, 0, 0))
+            c.runs += times
+            c.bytes += times * array_bytes(tuple_elements(ins.shape)[-1]
+                                           if ins.opcode.endswith("-start") else ins.shape)
+
+    def collective_ms(self, devices: int) -> float:
+        """The collectives' time per call: ring traffic at LINK_BANDWIDTH plus COLLECTIVE_US
+        each (0 on one device)."""
+        if devices < 2:
+            return 0.0
+        share = (devices - 1) / devices
+        moved = sum(COLLECTIVES[k] * share * c.bytes for k, c in self.collectives.items())
+        runs = sum(c.runs for c in self.collectives.values())
+        return (moved / LINK_BANDWIDTH + runs * COLLECTIVE_US * 1e-6) * 1e3
 
     def _charge(self, ins: Instr, times: int) -> None:
         ops = [self.shapes.get(o, "") for o in ins.operands]
@@ -205,6 +244,8 @@ class HloBytes:
 # ------------------------------------------------------------------------------ launch list
 
 _THUNK = re.compile(r"^(\s*)(\d+):\s+(k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")
+_COLLECTIVE_THUNK = re.compile(r"(AllReduce|AllGather|ReduceScatter|AllToAll|CollectivePermute"
+                               r"|CollectiveKernel|Ragged\w*)(Start)?$")
 _STRUCTURE = frozenset({"kWhile", "kConditional", "kCommandBuffer", "kSequential",
                         "kAsyncStart", "kAsyncDone", "kDynamicSliceFusion", "kWaitForStreams",
                         "kRecordEvent", "kWaitEvent"})
@@ -249,6 +290,8 @@ class Launches:
     outside: int = 0
     graphs: int = 0
     host_syncs: int = 0
+    collectives_in_graphs: int = 0  # of the launches, collectives (their start halves)
+    collectives_outside: int = 0
 
     @property
     def total(self) -> int:
@@ -283,8 +326,10 @@ def count_launches(thunks: list[Thunk], trips: dict[int, int]) -> Launches:
                 walk(t.children, times, graph)
             elif graph:
                 out.in_graphs += times
+                out.collectives_in_graphs += times * bool(_COLLECTIVE_THUNK.search(t.kind))
             else:
                 out.outside += times
+                out.collectives_outside += times * bool(_COLLECTIVE_THUNK.search(t.kind))
 
     walk(thunks, 1, False)
     return out
@@ -355,9 +400,9 @@ class ProgramSpec:
 
 
 def default_programs(context: int, most: int = 256) -> list[ProgramSpec]:
-    """Decode at 1, 32 and `most` sequences, the decode loop at `most`, and a mixed step of
+    """Decode at 1, 64 and `most` sequences, the decode loop at `most`, and a mixed step of
     `most` decodes and one prompt chunk of `most` tokens."""
-    return [ProgramSpec(f"decode-{s}", s, context) for s in (1, 32, most)] + [
+    return [ProgramSpec(f"decode-{s}", s, context) for s in sorted({1, 64, most})] + [
         ProgramSpec(f"decode-loop-{most}", most, context, decode_steps=8),
         ProgramSpec(f"mixed-{most}+{most}", most, context, prefill=most)]
 
@@ -383,39 +428,65 @@ def abstract_model(preset: dict):
     return LoadedModel(cfg, params, None, f"(shapes of {preset})")
 
 
-def target_device(target: str):
-    """The compile-only device of a GPU target description (a path to a .txtpb)."""
+def target_devices(target: str, count: int = 1) -> list:
+    """`count` compile-only devices of a GPU target description (a path to a .txtpb), as
+    one machine's GPUs."""
     from jax.experimental import topologies
 
     with open(target) as f:
         topo = topologies.get_topology_desc(platform="cuda", target_config=f.read(),
-                                            topology="1x1x1")
-    return topo.devices[0]
+                                            topology=f"1x1x{count}")
+    return list(topo.devices)
+
+
+def target_device(target: str):
+    """The compile-only device of a GPU target description (a path to a .txtpb)."""
+    return target_devices(target)[0]
+
+
+def _field(target: str, name: str) -> float:
+    m = re.search(rf"{name}:\s*(\d+)", pathlib.Path(target).read_text())
+    if m is None:
+        raise ValueError(f"{target}: no {name} field")
+    return float(m.group(1))
 
 
 def bandwidth_of(target: str) -> float:
     """HBM bytes per second of a target description."""
-    m = re.search(r"memory_bandwidth:\s*(\d+)", pathlib.Path(target).read_text())
-    if m is None:
-        raise ValueError(f"{target}: no memory_bandwidth field")
-    return float(m.group(1))
+    return _field(target, "memory_bandwidth")
+
+
+def memory_of(target: str) -> int:
+    """Device memory bytes of a target description."""
+    return int(_field(target, "device_memory_size"))
+
+
+def preset_of_config(path: str) -> dict:
+    """The fields of an HF config.json (`path`: the file or its directory) as a preset."""
+    import json
+
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
 
 
 def deviceless_runner(preset: dict, device, programs: list[ProgramSpec], **engine):
-    """The engine's ModelRunner for `preset` on compile-only `device`, at the accelerator
-    defaults except what `engine` (EngineConfig fields) says, with a pool that holds every
-    program's sequences at its context."""
+    """The engine's ModelRunner for `preset` on compile-only `device` (or a list of them: one
+    per tensor-parallel rank), at the accelerator defaults except what `engine` (EngineConfig
+    fields) says, with a pool that holds every program's sequences at its context."""
     from jaxserve.config import EngineConfig
     from jaxserve.runtime.runner import ModelRunner
 
+    devices = list(device) if isinstance(device, (list, tuple)) else [device]
     most = max(p.sequences for p in programs)
     context = max(p.context for p in programs)
     block = engine.get("block_size", 16)
     kw = dict(max_num_seqs=most, max_num_batched_tokens=max(512, 2 * most),
               attention_backend="mosaic", num_kv_blocks=(most + 1) * -(-context // block) + 64,
-              compilation_cache_dir="") | engine
+              compilation_cache_dir="", tensor_parallel_size=len(devices)) | engine
     config = EngineConfig(**kw).on_platform("gpu")
-    return ModelRunner(config, abstract_model(preset), [device], deviceless=True)
+    return ModelRunner(config, abstract_model(preset), devices, deviceless=True)
 
 
 def program_of(runner, spec: ProgramSpec):
@@ -432,21 +503,37 @@ def program_of(runner, spec: ProgramSpec):
 
 
 def weight_bytes(runner) -> int:
-    """Bytes of the weights a step reads whole: all but an untied embedding, of which a step
-    gathers its tokens' rows alone."""
-    import jax
+    """Bytes of the weights a step reads whole, on one device: all but an untied embedding,
+    of which a step gathers its tokens' rows alone."""
+    from jaxserve.runtime.sharding import bytes_per_device
 
     params = dict(runner.params)
     if not runner.model_config.tie_word_embeddings:
         params.pop("embed")
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+    return bytes_per_device(params)
 
 
 def kv_read_bytes(runner, sequences: int, context: int) -> int:
-    """K and V bytes of one layer that `sequences` rows at `context` read (whole blocks)."""
+    """K or V bytes of one layer that `sequences` rows at `context` read (whole blocks), on
+    one device (its kv heads)."""
     mc = runner.model_config
     tokens = -(-context // runner.block_size) * runner.block_size
-    return sequences * tokens * mc.num_kv_heads * mc.head_dim * runner.kv_dtype.itemsize
+    heads = mc.num_kv_heads // runner.tensor_parallel_size
+    return sequences * tokens * heads * mc.head_dim * runner.kv_dtype.itemsize
+
+
+def memory_plan(runner, target: str, temporaries: int, utilization: float = 0.9):
+    """The engine's memory plan (runtime/memory_plan.py) on `target`'s device: its memory
+    at `utilization` (vLLM's default 0.9) less the weights and `temporaries` (the largest
+    compiled program's), the rest as KV blocks of max_model_len sequences."""
+    from jaxserve.runtime import memory_plan as mp
+    from jaxserve.runtime.kv_cache import bytes_per_block
+    from jaxserve.runtime.sharding import bytes_per_device
+
+    mc = runner.model_config
+    block = bytes_per_block(mc, runner.block_size, runner.kv_dtype) // runner.tensor_parallel_size
+    return mp.from_device(memory_of(target), utilization, bytes_per_device(runner.params),
+                          temporaries, block, runner.block_size, runner.config.max_model_len)
 
 
 def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> dict:
@@ -457,7 +544,7 @@ def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> 
     program = program_of(runner, spec)
     before = set(glob.glob(os.path.join(dump_dir, "*")))
     t0 = time.perf_counter()
-    runner.compile_program(program)
+    compiled = runner.compile_program(program)
     compile_s = time.perf_counter() - t0
     files = dumped_module(dump_dir, before)
     for path in set(glob.glob(os.path.join(dump_dir, "*"))) - before:
@@ -467,13 +554,16 @@ def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> 
     mc = runner.model_config
     rows = spec.sequences + bool(spec.prefill)
     read = kv_read_bytes(runner, rows, spec.context)
-    hlo = HloBytes(files["hlo"], runner.kv.k.shape, read)
+    pool = runner.kv.k
+    hlo = HloBytes(files["hlo"], pool.sharding.shard_shape(pool.shape), read)
     n = spec.decode_steps
     floor = weight_bytes(runner) + 2 * mc.num_layers * read
     per = lambda x: x / n  # noqa: E731
     hbm = per(hlo.total)
     outside, graphs, syncs = per(launches.outside), per(launches.graphs), per(launches.host_syncs)
-    overhead_ms = (outside * LAUNCH_US + graphs * GRAPH_US + syncs * SYNC_US) / 1e3
+    collective_ms = per(hlo.collective_ms(runner.tensor_parallel_size))
+    overhead_ms = (outside * LAUNCH_US + graphs * GRAPH_US + syncs * SYNC_US) / 1e3 \
+        + collective_ms
     return {
         "name": spec.name, "sequences": spec.sequences, "context": spec.context,
         "prefill_tokens": spec.prefill, "decode_steps": n, "program": list(program),
@@ -486,6 +576,13 @@ def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> 
         "bytes_ms": round(hbm / bandwidth * 1e3, 4), "overhead_ms": round(overhead_ms, 4),
         "predicted_ms": round(hbm / bandwidth * 1e3 + overhead_ms, 4),
         "floor_ms": round(floor / bandwidth * 1e3, 4),
+        "temporaries_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "collectives": round(per(sum(c.runs for c in hlo.collectives.values())), 1),
+        "collective_bytes": int(per(sum(c.bytes for c in hlo.collectives.values()))),
+        "collectives_by_kind": {k: round(per(c.runs), 1) for k, c in hlo.collectives.items()},
+        "collectives_in_graphs": round(per(launches.collectives_in_graphs), 1),
+        "collectives_outside_graphs": round(per(launches.collectives_outside), 1),
+        "collective_ms": round(collective_ms, 4),
         "top_kernels": [{"name": k.name, "opcode": k.opcode, "runs": round(per(k.runs), 1),
                          "bytes": int(per(k.bytes))} for k in hlo.top(10)],
     }

@@ -5,15 +5,12 @@ whom is the core's BlockManager and SwapSpace; this module holds only arrays.)""
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.config import ModelConfig
-
-logger = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -38,25 +35,6 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype, rows: int | None =
     """Bytes of one page of the pool: `rows` layers' K and V (default every layer)."""
     itemsize = jnp.dtype(dtype).itemsize
     return 2 * (rows or cfg.num_layers) * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def pool_bytes(memory_bytes: int, memory_fraction: float | None,
-               device: jax.Device | None = None) -> int:
-    """Bytes for the KV pool on `device` (default: the first): `memory_fraction` of its memory
-    (less what is in use, i.e. the params) when asked and the device reports memory
-    statistics, else `memory_bytes`."""
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() if memory_fraction is not None else None
-    if not stats or "bytes_limit" not in stats:
-        if memory_fraction is not None:
-            logger.warning("device reports no memory statistics; using "
-                           "kv_cache_memory_bytes=%d", memory_bytes)
-        return memory_bytes
-    free = int(stats["bytes_limit"] * memory_fraction) - stats.get("bytes_in_use", 0)
-    if free <= 0:
-        raise ValueError(f"kv_cache_memory_fraction={memory_fraction} leaves no memory for the "
-                         f"KV pool after the params ({stats.get('bytes_in_use', 0)} bytes)")
-    return free
 
 
 class HostSwapPool:

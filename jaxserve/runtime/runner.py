@@ -53,9 +53,10 @@ from jaxserve.runtime import (
     executable_cache,
     logits_processing,
     memory_maps,
+    memory_plan,
     sharding,
 )
-from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block, pool_bytes
+from jaxserve.runtime.kv_cache import HostSwapPool, KVCache, bytes_per_block
 from jaxserve.runtime.sampling import (
     PromptLogprobs,
     SamplerOutput,
@@ -156,10 +157,13 @@ class _ProgramError(Exception):
         self.program, self.error = program, error
 
 
-# XLA:GPU's command buffers (CUDA graphs): its default kinds (JAX 0.11) and while loops, so the
-# decode loop runs as graph nodes on the device, not a host round trip per trip.
+# XLA:GPU's command buffers (CUDA graphs): its default kinds (JAX 0.11), while loops, so the
+# decode loop runs as graph nodes on the device, not a host round trip per trip, and
+# collectives. Tensor parallelism's all-reduces go through NCCL, which a graph can hold, not
+# XLA's own all-reduce kernel, which splits the step's graph at every one.
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,"
-                        "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}
+                        "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE,COLLECTIVES",
+                        "xla_gpu_experimental_use_collective_kernels": ""}
 
 
 def compiler_options(platform: str) -> dict | None:
@@ -176,10 +180,13 @@ def resolve_dtype(name: str, platform: str | None = None):
 
 
 def abstract(tree, sharding):
-    """`tree`'s arrays as ShapeDtypeStructs placed on `sharding`: what a deviceless runner
-    holds instead of device buffers."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                        tree)
+    """`tree`'s arrays as ShapeDtypeStructs placed on `sharding` (one for all, or a tree of
+    them like `tree`'s): what a deviceless runner holds instead of device buffers."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            tree)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        tree, sharding)
 
 
 def auto_kv_dtype(dtype, backend: AttentionBackend):
@@ -279,10 +286,10 @@ class ModelRunner:
         buffers, builds its programs with `compile_program` and runs none."""
         self.config = config
         self.deviceless = deviceless
-        if deviceless and (not devices or config.tensor_parallel_size
-                           * config.expert_parallel_size > 1 or draft is not None):
-            raise ValueError("deviceless: one compile-only device, no tensor or expert "
-                             "parallelism, no draft model")
+        if deviceless and (not devices or config.expert_parallel_size > 1
+                           or draft is not None):
+            raise ValueError("deviceless: compile-only devices, no expert parallelism, no "
+                             "draft model")
         target = devices[0] if deviceless else None
         self.compilation_cache_dir = (None if deviceless
                                       else compile_cache.enable(config.compilation_cache_dir))
@@ -314,7 +321,8 @@ class ModelRunner:
                 params["layers"]["moe"])}}
         if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
             self.mesh = sharding.make_mesh(self.devices, ep)
-            mc, params = sharding.relayout(mc, params, self.head_layout)
+            mc, params = (sharding.relayout_shapes(mc, params, self.head_layout) if deviceless
+                          else sharding.relayout(mc, params, self.head_layout))
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         keep_blocks = config.quantization is Quantization.AUTO
         # Projections kept in GGUF blocks run through the CPU kernel where it builds (it says
@@ -367,54 +375,55 @@ class ModelRunner:
         if self.draft_config is not None:  # its pool has the same blocks: they share the budget
             per_block += bytes_per_block(self.draft_config, config.block_size, self.kv_dtype)
         self._use_attention(self.attention.backend, self.attention.fn)
-        # Each device holds 1/tp of every block (its kv heads), so the pool is sized per device.
-        # num_kv_blocks counts blocks of every layer: in pages of fewer layers, as many bytes.
-        self.num_blocks = (config.num_kv_blocks * mc.num_layers // self.kv_layout.rows
-                           if config.num_kv_blocks else max(1, pool_bytes(
-                               config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
-                               self.devices[0]) // (per_block // tp)))
         if self.mesh is None:  # committed to its device: the jitted step runs where they live
-            rep = jax.sharding.SingleDeviceSharding(self.devices[0])
-            if deviceless:  # shapes alone, on the compile-only device
-                self.params = abstract(params, rep)
-                self.kv = abstract(jax.eval_shape(functools.partial(
-                    KVCache.create, mc, self.num_blocks, self.block_size, self.kv_dtype, None,
-                    self.kv_layout.rows)), rep)
-            else:
-                self.params = replace_leaves(params, put_waiting, rep)
-                self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
-                                         rep, self.kv_layout.rows)
-            if self.draft_config is not None:
-                self.draft_params = replace_leaves(as_step_params(
-                    self.draft_config, hand_over(draft, take_params)), put_waiting, rep)
-                self.draft_kv = KVCache.create(self.draft_config, self.num_blocks,
-                                               self.block_size, self.kv_dtype, rep)
+            rep = kv_sharding = param_sharding = jax.sharding.SingleDeviceSharding(
+                self.devices[0])
             self._jit_kw = {}
         else:
-            specs = sharding.param_specs(params, mc.vocab_size, tp, ep)
-            self.params = replace_leaves(params, put_waiting, sharding.named(self.mesh,
-                                                                                specs))
+            param_sharding = sharding.named(self.mesh, sharding.param_specs(
+                params, mc.vocab_size, tp, ep))
             kv_sharding = sharding.named(self.mesh, sharding.KV_SPEC)
-            self.kv = KVCache.create(mc, self.num_blocks, self.block_size, self.kv_dtype,
-                                     kv_sharding, self.kv_layout.rows)
             rep = sharding.named(self.mesh, sharding.P())
-            self._jit_kw = {"in_shardings": ((sharding.named(self.mesh, specs),), (kv_sharding,),
-                                             rep, rep),
+            self._jit_kw = {"in_shardings": ((param_sharding,), (kv_sharding,), rep, rep),
                             "out_shardings": ((kv_sharding,), rep, rep)}
-            dev = next(d for d in self.devices if d.process_index == jax.process_index())
+        # deviceless: shapes alone, on the compile-only devices
+        self.params = (abstract(params, param_sharding) if deviceless
+                       else replace_leaves(params, put_waiting, param_sharding))
+        if self.draft_config is not None:
+            self.draft_params = replace_leaves(as_step_params(
+                self.draft_config, hand_over(draft, take_params)), put_waiting, rep)
+        # Rows' logit processing: the history holds every distinct token of a context.
+        self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
+                                                          config.max_model_len)
+        self._replicated = rep  # where the step's small inputs live
+        self._unused: dict[int, logits_processing.LogitsInputs] = {}
+        self._last_tokens = (
+            jax.ShapeDtypeStruct((max(self.buckets[1]),), jnp.int32, sharding=rep) if deviceless
+            else jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep))
+        # The plan counts blocks of every layer, per device (each holds 1/tp of a block: its
+        # kv heads); the pool holds them as pages of kv_layout.rows layers.
+        pages = mc.num_layers // self.kv_layout.rows
+        self.memory_plan = self._plan_memory(per_block * pages // tp, kv_sharding)
+        logger.info("%s", self.memory_plan.describe())
+        self.num_blocks = self.memory_plan.num_blocks * pages
+        pools = self._pools(self.num_blocks, kv_sharding, abstract_only=deviceless)
+        self.kv = pools[0]
+        if self.draft_config is not None:
+            self.draft_kv = pools[1]
+        if self.mesh is not None:
             logger.info("tensor parallel: mesh %s over %s; %s; per device: params %.1f MiB, "
                         "KV pool %.1f MiB (%d blocks of %d tokens)", dict(self.mesh.shape),
                         [str(d) for d in self.mesh.devices.flat],
                         self.head_layout.describe(loaded.config, tp),
-                        sharding.bytes_on_device(self.params, dev) / 2**20,
-                        sharding.bytes_on_device(self.kv, dev) / 2**20, self.num_blocks,
+                        sharding.bytes_per_device(self.params) / 2**20,
+                        sharding.bytes_per_device(self.kv) / 2**20, self.num_blocks,
                         self.block_size)
             if mc.is_moe:
                 experts = [{k: w for k, w in layer["moe"].items() if k != "router"}
                            for name, layer in self.params.items() if name.startswith("layers")]
                 logger.info("experts: %d per device of %d (expert_parallel_size=%d); expert "
                             "weights per device %.1f MiB", mc.num_experts // ep, mc.num_experts,
-                            ep, sharding.bytes_on_device(experts, dev) / 2**20)
+                            ep, sharding.bytes_per_device(experts) / 2**20)
         # Across processes (runtime/distributed.py) the leader broadcasts each step first.
         self.multiprocess = jax.process_count() > 1
         self.broadcast = (distributed.StepBroadcast(self._dummy_inputs)
@@ -430,14 +439,6 @@ class ModelRunner:
         self.num_host_blocks = config.swap_space_bytes // per_block if uses_host else 0
         self.host_pool = (HostSwapPool(self.pools, self.num_host_blocks, self.num_blocks)
                           if self.num_host_blocks else None)
-        # Rows' logit processing: the history holds every distinct token of a context.
-        self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
-                                                          config.max_model_len)
-        self._replicated = rep  # where the step's small inputs live
-        self._unused: dict[int, logits_processing.LogitsInputs] = {}
-        self._last_tokens = (
-            jax.ShapeDtypeStruct((max(self.buckets[1]),), jnp.int32, sharding=rep) if deviceless
-            else jnp.zeros(max(self.buckets[1]), jnp.int32, device=rep))
         self._make_step()
         self.num_compiles = 0  # programs lowered and compiled (XLA's own cache may serve those)
         self.compile_seconds = 0.0  # spent in lower + compile (or loading from the cache)
@@ -465,8 +466,8 @@ class ModelRunner:
             self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
                                            scan_layers=scan, block_matmul=self.block_matmul)
 
-    def _make_step(self) -> None:
-        """Jit the step around the current model, with no program built yet."""
+    def _jit_step(self):
+        """The step around the current model, jitted (nothing compiled yet)."""
         max_logprobs = self.config.max_logprobs
 
         def step(*args):
@@ -476,7 +477,79 @@ class ModelRunner:
         # an upgrade left as it was is compiled afresh once, and then stored whole here (an
         # executable loaded from JAX's cache cannot be; runtime/executable_cache.py).
         step.__name__ = step.__qualname__ = f"step_{executable_cache.source_digest()[:16]}"
-        self._jitted = jax.jit(step, donate_argnums=(1,), **self._jit_kw)
+        return jax.jit(step, donate_argnums=(1,), **self._jit_kw)
+
+    def _pools(self, num_blocks: int, kv_sharding, abstract_only: bool) -> tuple[KVCache, ...]:
+        """Zeroed pools of `num_blocks` pages (the target's, and the draft model's), or their
+        shapes alone."""
+        def create(cfg, rows):
+            make = functools.partial(KVCache.create, cfg, num_blocks, self.block_size,
+                                     self.kv_dtype, None if abstract_only else kv_sharding, rows)
+            return abstract(jax.eval_shape(make), kv_sharding) if abstract_only else make()
+
+        pools = (create(self.model_config, self.kv_layout.rows),)
+        if self.draft_config is not None:
+            pools += (create(self.draft_config, None),)
+        return pools
+
+    def _plan_memory(self, block_bytes: int, kv_sharding) -> memory_plan.MemoryPlan:
+        """The pool's size (runtime/memory_plan.py): from the device's memory where
+        kv_cache_memory_fraction asks and the device reports it, the step's temporaries read
+        from compiling its largest programs; else num_kv_blocks, else kv_cache_memory_bytes."""
+        config = self.config
+        weights = sharding.bytes_per_device(self.step_params)
+        plan = functools.partial(memory_plan.from_blocks, weights_bytes=weights,
+                                 block_bytes=block_bytes, block_size=self.block_size,
+                                 max_model_len=config.max_model_len)
+        if config.num_kv_blocks:
+            return plan(config.num_kv_blocks)
+        fraction = config.kv_cache_memory_fraction
+        stats = (None if fraction is None or self.deviceless
+                 else self.devices[0].memory_stats())
+        if not stats or "bytes_limit" not in stats:
+            if fraction is not None:
+                logger.warning("device reports no memory statistics; using "
+                               "kv_cache_memory_bytes=%d", config.kv_cache_memory_bytes)
+            return plan(max(1, config.kv_cache_memory_bytes // block_bytes))
+        # What else the device already holds (the self-test's leftovers) counts as weights.
+        in_use = max(weights, stats.get("bytes_in_use", 0))
+        return memory_plan.from_device(
+            stats["bytes_limit"], fraction, in_use, self.step_temporaries(kv_sharding),
+            block_bytes, self.block_size, config.max_model_len)
+
+    def largest_programs(self) -> list[Program]:
+        """The programs whose temporaries bound the rest: the most tokens (a mixed step's
+        activations and logits) and, with the decode loop, its most sequences."""
+        programs = self.all_programs()
+        picks = [max(programs, key=lambda p: (p.tokens, p.seqs, p.blocks))]
+        loops = [p for p in programs if p.decode_steps > 1]
+        if loops:
+            picks.append(max(loops, key=lambda p: (p.seqs, p.blocks)))
+        return picks
+
+    def step_temporaries(self, kv_sharding) -> int:
+        """Scratch bytes per device of the largest step programs, compiled on a pool of a few
+        blocks (the pool is an argument the step updates in place, so its size is not
+        scratch): the step's own memory, which the KV pool must leave room for."""
+        groups = self.model_config.num_layers // self.kv_layout.rows
+        kept = getattr(self, "num_blocks", None)
+        self.num_blocks = (self.config.max_blocks_per_seq + 1) * groups  # the dummies' ids
+        try:
+            pools = self._pools(self.num_blocks, kv_sharding, abstract_only=True)
+            jitted = self._jit_step()
+            most = 0
+            for program in self.largest_programs():
+                inputs = abstract(self._dummy_inputs(program), self._replicated)
+                exe = jitted.lower(self.step_params, pools, self._last_tokens,
+                                   inputs).compile(self.compiler_options)
+                most = max(most, exe.memory_analysis().temp_size_in_bytes)
+            return most
+        finally:
+            self.num_blocks = kept
+
+    def _make_step(self) -> None:
+        """Jit the step around the current model, with no program built yet."""
+        self._jitted = self._jit_step()
         self._executables: dict[Program, jax.stages.Compiled] = {}
         self.executable_cache = executable_cache.ExecutableCache.create(
             self.compilation_cache_dir, "\n".join([

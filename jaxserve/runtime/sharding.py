@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,29 @@ def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelC
     return cfg, {**params, "layers": layers}
 
 
+def relayout_shapes(cfg: ModelConfig, params: dict,
+                    layout: HeadLayout) -> tuple[ModelConfig, dict]:
+    """relayout() of params given as shapes alone (ShapeDtypeStructs: a deviceless runner's)."""
+    def grown(a, name):
+        if name not in _Q_PARAMS + _KV_PARAMS:
+            return a
+        shape = list(a.shape)
+        axis = _head_axis(name)
+        if name in _KV_PARAMS and layout.kv_replicas > 1:
+            shape[axis] *= layout.kv_replicas
+        elif layout.pad_groups:
+            groups = cfg.num_heads // cfg.num_kv_heads
+            shape[axis] += layout.pad_groups * (groups if name in _Q_PARAMS else 1)
+        return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+    if layout.kv_replicas == 1 and not layout.pad_groups:
+        return cfg, params
+    layers = {name: map_planes(lambda a, n=name: grown(a, n), w)
+              for name, w in params["layers"].items()}
+    return (dataclasses.replace(cfg, num_heads=layout.num_heads,
+                                num_kv_heads=layout.num_kv_heads), {**params, "layers": layers})
+
+
 # Specs of one layer's params (no layer axis), by name.
 _LAYER_SPECS = {
     "wq": P(None, AXIS, None), "wk": P(None, AXIS, None), "wv": P(None, AXIS, None),
@@ -271,6 +295,13 @@ def named(mesh: Mesh, specs):
     """PartitionSpecs (a tree) -> NamedShardings on `mesh`."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes of one device's share of `tree`'s arrays (or ShapeDtypeStructs with shardings),
+    each split evenly over its sharding's devices."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(tree))
 
 
 def bytes_on_device(tree, device) -> int:

@@ -4,6 +4,8 @@ XLA:GPU dumps (the whole path, compiled for an H200, is tests/scripts/test_gpu_c
 from __future__ import annotations
 
 from jaxserve.bench.gpu_cost import (
+    COLLECTIVE_US,
+    LINK_BANDWIDTH,
     HloBytes,
     array_bytes,
     check_bounds,
@@ -140,3 +142,74 @@ ENTRY %main (p: pred[], x: f32[4]) -> f32[4] {
     assert hb.conditionals == 1
     assert hb.total == (16 + 16) + (2 * 16 + 16)  # exponential, then multiply; not the negate
     assert sorted(k.opcode for k in hb.kernels.values()) == ["exponential", "multiply"]
+
+
+COLLECTIVE_HLO = """\
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+%fused_all-reduce (p: bf16[64,1024]) -> bf16[64,1024] {
+  %p = bf16[64,1024]{1,0} parameter(0)
+  ROOT %ar = bf16[64,1024]{1,0} all-reduce(%p), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%async_computation (q: bf16[64,1024]) -> bf16[64,1024] {
+  %q = bf16[64,1024]{1,0} parameter(0)
+  ROOT %f = bf16[64,1024]{1,0} fusion(%q), kind=kCustom, calls=%fused_all-reduce
+}
+
+%body (t: (s32[], bf16[64,1024])) -> (s32[], bf16[64,1024]) {
+  %t = (s32[], bf16[64,1024]{1,0}) parameter(0)
+  %x = bf16[64,1024]{1,0} get-tuple-element(%t), index=1
+  %st = ((bf16[64,1024]{1,0}), bf16[64,1024]{1,0}) async-start(%x), calls=%async_computation
+  %dn = bf16[64,1024]{1,0} async-done(%st)
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %r = (s32[], bf16[64,1024]{1,0}) tuple(%i, %dn)
+}
+
+%cond (c: (s32[], bf16[64,1024])) -> pred[] {
+  %c = (s32[], bf16[64,1024]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (x0: bf16[64,1024], y: bf16[64,4096]) -> bf16[64,32768] {
+  %x0 = bf16[64,1024]{1,0} parameter(0)
+  %y = bf16[64,4096]{1,0} parameter(1)
+  %init = (s32[], bf16[64,1024]{1,0}) tuple(%x0, %x0)
+  %w = (s32[], bf16[64,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"80"}}
+  %ag = ((bf16[64,4096]{1,0}), bf16[64,32768]{1,0}) all-gather-start(%y), dimensions={1}
+  ROOT %agd = bf16[64,32768]{1,0} all-gather-done(%ag)
+}
+"""  # noqa: E501  (HLO lines as XLA writes them)
+
+
+def test_collectives_are_counted_inside_fusions_and_loops_with_their_bytes():
+    hb = HloBytes(COLLECTIVE_HLO)
+    reduce, gather = hb.collectives["all-reduce"], hb.collectives["all-gather"]
+    assert (reduce.runs, reduce.bytes) == (80, 80 * 64 * 1024 * 2)
+    assert (gather.runs, gather.bytes) == (1, 64 * 32768 * 2)  # the start's result, once
+    # a ring over 8: 2 x 7/8 of each all-reduce's bytes, 7/8 of the gathered ones, a link each
+    moved = 2 * 7 / 8 * reduce.bytes + 7 / 8 * gather.bytes
+    assert abs(hb.collective_ms(8) - (moved / LINK_BANDWIDTH + 81 * COLLECTIVE_US * 1e-6) * 1e3) \
+        < 1e-9
+    assert hb.collective_ms(1) == 0.0
+
+
+COLLECTIVE_THUNKS = """\
+001: kAsyncStart    [source | next=000 (3)] stream=computation_stream[0], async_id=4
+    002: kCollectiveKernel [source | sink] kCollectiveKernel
+003: kAsyncDone     [source | sink] async_id=4
+000: kCommandBuffer [source | sink]
+    004: kCustomKernel [source | next=005 (1)] loop_add_fusion grid: [18, 1, 1]
+    005: kAllReduceStart [source | sink] kAllReduceStart
+    006: kAllReduceDone [source | sink] kAllReduceDone
+"""
+
+
+def test_collective_launches_are_split_by_graph():
+    got = count_launches(parse_thunks(COLLECTIVE_THUNKS), {})
+    assert (got.collectives_outside, got.collectives_in_graphs) == (1, 1)
+    assert got.graphs == 1 and got.in_graphs == 3 and got.outside == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -248,7 +249,7 @@ def test_llm_generate_is_all_or_nothing_on_bad_input(tiny_llama_dir):
 
 
 def test_kv_pool_sizing(tiny_llama_dir):
-    from jaxserve.runtime.kv_cache import bytes_per_block, pool_bytes
+    from jaxserve.runtime.kv_cache import bytes_per_block
 
     e = make_engine(tiny_llama_dir, num_kv_blocks=None, kv_cache_memory_bytes=1 << 20)
     per_block = bytes_per_block(e.model_config, 16, e.runner.kv_dtype)
@@ -257,8 +258,11 @@ def test_kv_pool_sizing(tiny_llama_dir):
     # A memory fraction needs device memory statistics; a CPU has none, so the byte budget holds.
     f = make_engine(tiny_llama_dir, num_kv_blocks=None, kv_cache_memory_bytes=1 << 20,
                     kv_cache_memory_fraction=0.5)
-    if pool_bytes(1 << 20, 0.5) == 1 << 20:
-        assert f.runner.num_blocks == e.runner.num_blocks
+    assert f.runner.num_blocks == e.runner.num_blocks
+    plan = f.runner.memory_plan  # what the server prints at start
+    assert plan.num_blocks == f.runner.num_blocks and plan.device_bytes is None
+    assert plan.max_seqs_at_max_model_len == plan.num_blocks // -(-f.config.max_model_len // 16)
+    assert plan.weights_bytes == sum(a.nbytes for a in jax.tree.leaves(f.runner.params))
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         EngineConfig(kv_cache_memory_fraction=1.5)
 

@@ -63,3 +63,56 @@ def test_unknown_program_or_target_is_refused_by_name():
         proc = subprocess.run([sys.executable, "scripts/gpu_cost.py", *args],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode != 0 and field in proc.stderr, proc.stderr[-2000:]
+
+
+def test_tensor_parallel_step_and_memory_plan_from_a_config(tmp_path):
+    """A model given by its config.json alone, split over two H100s: every collective inside
+    the step's one graph, two all-reduces a layer (attention's and the MLP's outputs) plus the
+    embedding's and the logits' gather; the weights halved per device; the memory plan."""
+    layers = 2
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=256,
+               intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+               rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(cfg))
+    runs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        proc = subprocess.run([sys.executable, "scripts/gpu_cost.py", "--target", "h100",
+                               "--config", str(tmp_path / "tiny"), "--tensor-parallel-size",
+                               str(tp), "--programs", "decode-64", "--plugin-dir", PLUGIN,
+                               "--json", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert "memory plan per device" in proc.stdout
+        runs[tp] = json.loads(out.read_text())
+    one, two = runs[1], runs[2]
+    (p1,), (p2,) = one["programs"], two["programs"]
+    assert two["tensor_parallel_size"] == 2 and p1["model"] == p2["model"] == "tiny"
+    assert p1["collectives"] == 0
+    assert p2["collectives"] == 2 * layers + 2, p2["collectives_by_kind"]
+    assert p2["collectives_by_kind"]["all-reduce"] == 2 * layers + 1
+    assert p2["collectives_in_graphs"] == p2["collectives"]
+    assert p2["launches_outside_graphs"] == 0 and p2["graphs"] == 1 and p2["host_syncs"] == 0
+    assert p2["collective_ms"] > 0 and p2["predicted_ms"] > p2["bytes_ms"]
+    plan1, plan2 = one["plan"], two["plan"]
+    w1, w2 = plan1["weights_bytes_per_device"], plan2["weights_bytes_per_device"]
+    assert w1 / 2 <= w2 < 0.55 * w1  # all but the norms split in two
+    assert plan2["block_bytes_per_device"] * 2 == plan1["block_bytes_per_device"]
+    for plan, p in ((plan1, p1), (plan2, p2)):
+        assert plan["temporaries_bytes_per_device"] == p["temporaries_bytes"] > 0
+        used = (plan["weights_bytes_per_device"] + plan["temporaries_bytes_per_device"]
+                + plan["kv_bytes_per_device"])
+        assert 0.9 * plan["device_bytes"] - plan["block_bytes_per_device"] < used \
+            <= 0.9 * plan["device_bytes"]
+        assert plan["max_seqs_at_max_model_len"] == plan["num_blocks"] // (2048 // 16)
+
+
+def test_bad_report_options_are_refused_by_name(tmp_path):
+    for args, field in ((["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+                        (["--config", str(tmp_path)], "--config"),
+                        (["--xla-option", "oops"], "--xla-option")):
+        proc = subprocess.run([sys.executable, "scripts/gpu_cost.py", *args],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode != 0 and field in proc.stderr, proc.stderr[-2000:]

@@ -46,6 +46,9 @@ def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
                 port = int(m.group(1))
         assert port, "".join(lines)
         assert any("warmup compiled 2 programs" in ln for ln in lines), "".join(lines)
+        # the memory plan, printed at start: 32 blocks of 16 tokens hold 4 sequences of 128
+        assert any("memory plan per device" in ln and "= 32 blocks of 16 tokens, 4 sequences "
+                   "of max_model_len 128" in ln for ln in lines), "".join(lines)
         with Client(port=port) as c:
             done = c.generate(prompt_token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True)
             assert done["completion_tokens"] == 5
