@@ -372,6 +372,9 @@ class Transformer(nn.Module):
     block_matmul: BlockMatmulFn | None = None  # see DecoderLayer.project
     experts_fn: ExpertsFn = grouped_experts  # see models/moe.py
     kv_layout: KVLayout | None = None  # see DecoderLayer
+    # the embedding's rows of input_ids (table (V, D), ids (T,) -> (T, D)); None: a gather
+    # (tensor parallelism passes one that reads each device's share of the vocabulary)
+    embed_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None
 
     @nn.compact
     def __call__(
@@ -385,7 +388,7 @@ class Transformer(nn.Module):
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                            dt)
-        x = embed[input_ids]  # (T, D)
+        x = embed[input_ids] if self.embed_fn is None else self.embed_fn(embed, input_ids)
         if cfg.embed_scale != 1.0:  # Gemma: rounded to the weights' dtype, as HF does
             x = x * jnp.asarray(cfg.embed_scale, dt)
 

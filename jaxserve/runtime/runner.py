@@ -455,13 +455,16 @@ class ModelRunner:
         self.buckets = self.config.buckets(isinstance(backend, AttentionBackend) and
                                            registry.backend(backend).table_width_free)
         experts_fn = block_experts if self.block_matmul is not None else grouped_experts
+        embed_fn = None
         if self.mesh is not None:
             attn_fn = sharding.shard_attention(attn_fn, self.mesh)
             experts_fn = sharding.shard_experts(self.mesh)
+            if self.model_config.vocab_size % self.tensor_parallel_size == 0:  # split by vocab
+                embed_fn = sharding.shard_embedding(self.mesh)
         scan = self.config.scan_layers
         self.model = Transformer(self.model_config, self.dtype, attn_fn, scan_layers=scan,
                                  block_matmul=self.block_matmul, experts_fn=experts_fn,
-                                 kv_layout=self.kv_layout)
+                                 kv_layout=self.kv_layout, embed_fn=embed_fn)
         if self.draft_config is not None:
             self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
                                            scan_layers=scan, block_matmul=self.block_matmul)

@@ -285,6 +285,25 @@ def shard_attention(attn_fn, mesh: Mesh):
     return per_device
 
 
+def shard_embedding(mesh: Mesh):
+    """The embedding lookup on a table split by vocabulary: each device takes the rows of
+    the ids in its share (zeros for the rest) and one all-reduce sums them. Left to itself,
+    XLA's partitioner may gather the whole table to every device at every step instead."""
+
+    def local(table, ids):
+        rows = table.shape[0]
+        at = ids - jax.lax.axis_index(AXIS) * rows
+        mine = (at >= 0) & (at < rows)
+        x = jnp.where(mine[:, None], table[jnp.clip(at, 0, rows - 1)], 0)
+        return jax.lax.psum(x, AXIS)
+
+    def lookup(table, ids):
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS, None), P()), out_specs=P(),
+                             check_vma=False)(table, ids)
+
+    return lookup
+
+
 def gather_once(logits: jax.Array, mesh: Mesh) -> jax.Array:
     """(S, V) logits computed split by vocabulary, then gathered whole onto every device."""
     split = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, AXIS)))
