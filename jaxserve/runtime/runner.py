@@ -28,7 +28,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, Quantization, Role
 from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.kernels import cpu_matmul, quant
+from jaxserve.kernels import cpu_matmul, fp8, quant
 from jaxserve.kernels.attention import registry
 from jaxserve.kernels.attention.base import AttentionBackend, platform_of
 from jaxserve.kernels.attention.choose import choose_attention
@@ -329,6 +329,7 @@ class ModelRunner:
                                else not on_cpu)
         fuse = (self.block_matmul is None and self.mesh is None
                 and not on_cpu)
+        expand_fp8 = not keep_blocks or fp8.expands_at_load(on_cpu)
 
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
@@ -338,6 +339,8 @@ class ModelRunner:
             dicts in place, a weight at a time (replace_leaves)."""
             if self.block_matmul is None:  # only the CPU kernel reads a head's blocks
                 p.pop(HEAD_BLOCKS, None)
+            if expand_fp8:
+                self._expand_fp8(p)
             p = layout_params(p, cfg.num_layers, scan)
             if not keep_blocks:
                 p = replace_leaves(p, quant.dequantize_tree)
@@ -488,6 +491,19 @@ class ModelRunner:
                 executable_cache.abstract(self.step_params), executable_cache.abstract(self.pools),
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
+
+    def _expand_fp8(self, params: dict) -> None:
+        """A checkpoint's FP8 weights (kernels/fp8.py) expanded to the serving dtype, in
+        place, with a warning that says so and what it costs: on a CPU (XLA:CPU has no FP8
+        matmul) or with quantization=none."""
+        held, count = fp8.expand_tree(params)
+        if count:
+            logger.warning(
+                "FP8 weights expanded to %s at load (%s): %.1f MB -> %.1f MB",
+                jnp.dtype(self.dtype).name, "quantization=none"
+                if self.config.quantization is Quantization.NONE
+                else "on a CPU, where FP8 weights gain nothing", held / 1e6,
+                count * jnp.dtype(self.dtype).itemsize / 1e6)
 
     @staticmethod
     def _check_draft(config: EngineConfig, loaded: LoadedModel,

@@ -198,6 +198,12 @@ def _head_axis(name: str) -> int:
     return 1 + tuple(_LAYER_SPECS[name]).index(AXIS)
 
 
+def _plane_spec(spec: P, shape: tuple[int, ...]) -> P:
+    """A quantized weight's spec for one of its planes: an axis of length 1 (an FP8 scale
+    along its weight's inputs, per channel) is not split but broadcast."""
+    return P(*(None if a == AXIS and n == 1 else a for a, n in zip(spec, shape, strict=False)))
+
+
 def param_specs(params: dict, vocab_size: int, tp: int, ep: int = 1) -> dict:
     """A PartitionSpec per param leaf, for the stacked ("layers") or unrolled ("layers_i")
     layout. The vocabulary is split only when it divides by tp (else replicated)."""
@@ -212,7 +218,7 @@ def param_specs(params: dict, vocab_size: int, tp: int, ep: int = 1) -> dict:
                 continue
             if is_quantized(leaf):  # every plane split like the weight (block axes divide)
                 spec = P(None, *_LAYER_SPECS[name]) if stacked else _LAYER_SPECS[name]
-                out[name] = {k: spec for k in leaf}
+                out[name] = {k: _plane_spec(spec, np.shape(a)) for k, a in leaf.items()}
                 continue
             if isinstance(leaf, dict):  # norms
                 out[name] = jax.tree.map(lambda _: P(), leaf)
