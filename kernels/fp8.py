@@ -23,9 +23,9 @@ head dim (`Fp8.with_block`).
 
 In the param tree an FP8 weight is {"fp8": codes, "scale": float32}, both of the weight's
 rank; along each axis the scale's length is the codes', 1, or a divisor (blocks). `dequantize`
-forms codes * scale in float32, then the compute dtype, right before the matmul, where XLA
-on an accelerator fuses it into the dot: the step streams 1 byte a weight. XLA:CPU gains
-nothing from that, so on a CPU the runner expands the weights at load (`expands_at_load`;
+forms codes * scale in the compute dtype right before the matmul, where XLA on a GPU fuses it
+into the dot: the step streams 1 byte a weight (and its scales). XLA:CPU gains nothing from
+that, so on a CPU the runner expands the weights at load (`expands_at_load`;
 `in_step_on_cpu()` keeps them FP8 there, for tests).
 """
 
@@ -190,19 +190,21 @@ def _broadcast(codes_shape: tuple[int, ...], scale_shape: tuple[int, ...]):
     return split, scale
 
 
-def dequantize(w: Mapping, dtype, xp=None):
-    """{"fp8", "scale"} -> the weights in `dtype`: codes * scale formed in float32 (xp: numpy
-    or jax.numpy, the default), each scale over its block, row or whole weight."""
-    if xp is None:
-        import jax.numpy as xp
+def dequantize(w: Mapping, dtype):
+    """{"fp8", "scale"} (jax or numpy arrays) -> the weights in `dtype`: codes * scale formed
+    in `dtype`, each scale over its block, row or whole weight. In that
+    form (convert, multiply by a broadcast scale) XLA's GPU compiler fuses it into the dot
+    (GPU_COMPILER_OPTIONS' sub-channel dequantisation fusion), where a float32 product
+    converted after is made a weight apart. In float32 the product rounds once; in
+    bfloat16 the scale rounds to 8 bits first, well inside FP8's own 4."""
     codes, scale = w["fp8"], w["scale"]
     split, s = _broadcast(codes.shape, scale.shape)
-    wide = codes.astype(np.float32).reshape(split) * scale.astype(np.float32).reshape(s)
-    return wide.reshape(codes.shape).astype(dtype)
+    wide = codes.astype(dtype).reshape(split) * scale.astype(dtype).reshape(s)
+    return wide.reshape(codes.shape)
 
 
 def dequantize_np(w: Mapping) -> np.ndarray:
-    return dequantize({k: np.asarray(v) for k, v in w.items()}, np.float32, np)
+    return dequantize({k: np.asarray(v) for k, v in w.items()}, np.float32)
 
 
 _FORCED = [False]

@@ -586,9 +586,10 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
     The packed forms need the weight's `shape`."""
     if not is_quantized(w):
         return w
+    import jax.numpy as jnp
+
     if fp8.is_fp8(w):
         return fp8.dequantize(w, dtype)
-    import jax.numpy as jnp
 
     if is_packed(w):
         if shape is None:

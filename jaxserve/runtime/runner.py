@@ -157,9 +157,13 @@ class _ProgramError(Exception):
 
 
 # XLA:GPU's command buffers (CUDA graphs): its default kinds (JAX 0.11) and while loops, so the
-# decode loop runs as graph nodes on the device, not a host round trip per trip.
+# decode loop runs as graph nodes on the device, not a host round trip per trip; and FP8 weights
+# dequantized inside the matmuls.
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,"
-                        "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"}
+                        "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
+                        # FP8 codes times their block scales fused into the dot that reads
+                        # them (kernels/fp8.py), not written out as a weight first
+                        "xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True}
 
 
 def compiler_options(platform: str) -> dict | None:

@@ -68,11 +68,14 @@ def test_layout_changes_keep_the_scales_with_their_weights():
     assert np.array_equal(fp8.dequantize_np(w.planes()), full)
 
 
-def test_bfloat16_is_the_rounded_float32():
+def test_bfloat16_weights_round_the_scale_then_the_product():
     rng = np.random.default_rng(4)
     w = {"fp8": codes(rng, (32, 8)), "scale": rng.uniform(0.1, 1, (1, 8)).astype(np.float32)}
-    got = np.asarray(fp8.dequantize(w, jnp.bfloat16))
-    assert np.array_equal(got, fp8.dequantize_np(w).astype(jnp.bfloat16))
+    got = np.asarray(fp8.dequantize(jax.tree.map(jnp.asarray, w), jnp.bfloat16))
+    # a code (4 significant bits) times a bfloat16 scale (8) is exact in float32: one rounding
+    scale = w["scale"].astype(jnp.bfloat16).astype(np.float32)
+    assert np.array_equal(got, (w["fp8"].astype(np.float32) * scale).astype(jnp.bfloat16))
+    assert np.allclose(got.astype(np.float32), fp8.dequantize_np(w), rtol=2 ** -7)
 
 
 def test_fp8_is_a_quantized_form():
