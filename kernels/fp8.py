@@ -207,6 +207,17 @@ def dequantize_np(w: Mapping) -> np.ndarray:
     return dequantize({k: np.asarray(v) for k, v in w.items()}, np.float32)
 
 
+def split_blocks(w: Mapping, axis: int, parts: int) -> dict:
+    """FP8 weight `w` with its scale's blocks along `axis` made small enough to divide among
+    `parts` devices (the same weights): blocks of gcd(block, length / parts)."""
+    n, s = np.shape(w["fp8"])[axis], np.shape(w["scale"])[axis]
+    if s == 1 or s % parts == 0:
+        return dict(w)
+    block = n // s
+    finer = math.gcd(block, n // parts)
+    return {"fp8": w["fp8"], "scale": np.repeat(np.asarray(w["scale"]), block // finer, axis)}
+
+
 _FORCED = [False]
 
 

@@ -427,10 +427,11 @@ def split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
 def hf_to_params(
     cfg: ModelConfig, tensors: dict[str, np.ndarray], output: Blocks | None = None
 ) -> tuple[ModelConfig, dict[str, Any]]:
-    """Check HF-named tensors (float32, or `quant.Blocks` for layer projections) against the
-    config and build the Flax param tree. Takes the layer tensors out of `tensors` as it
-    stacks them, so that a model's weights are in memory about once. `output`: the output
-    projection's (V, D) blocks as the file keeps them, given as HEAD_BLOCKS (D, V).
+    """Check HF-named tensors (float32; `quant.Blocks` or `fp8.Fp8` for layer projections)
+    against the config and build the Flax param tree. Takes the layer tensors out of
+    `tensors` as it stacks them, so that a model's weights are in memory about once.
+    `output`: the output projection's (V, D) blocks as the file keeps them, given as
+    HEAD_BLOCKS (D, V).
 
     Returns the config too, corrected where the tensors say more than the metadata did.
     """

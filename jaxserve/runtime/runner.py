@@ -318,7 +318,7 @@ class ModelRunner:
                 params["layers"]["moe"])}}
         if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
             self.mesh = sharding.make_mesh(self.devices, ep)
-            mc, params = sharding.relayout(mc, params, self.head_layout)
+            mc, params = sharding.relayout(mc, params, self.head_layout, tp)
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         keep_blocks = config.quantization is Quantization.AUTO
         # Projections kept in GGUF blocks run through the CPU kernel where it builds (it says

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.kernels import fp8
 from jaxserve.kernels.quant import is_quantized, map_planes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import grouped_experts
@@ -157,8 +158,13 @@ def shard_experts(mesh: Mesh):
     return per_device
 
 
-def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelConfig, dict]:
-    """The loader's (stacked) params and config with the heads of `layout`."""
+def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout,
+             tp: int = 1) -> tuple[ModelConfig, dict]:
+    """The loader's (stacked) params and config with the heads of `layout`, FP8 scale blocks
+    along a split axis small enough to divide among `tp` devices."""
+    layers = {name: fp8.split_blocks(w, _head_axis(name), tp) if fp8.is_fp8(w) else w
+              for name, w in params["layers"].items()}
+    params = {**params, "layers": layers}
     if layout.kv_replicas == 1 and not layout.pad_groups:
         return cfg, params
     layers = dict(params["layers"])

@@ -69,3 +69,19 @@ def test_loader_matches_abstract_fp8(tmp_path, tiny_src):
     abstract = fp8.abstract_fp8(abstract_model(hf).params)
     shapes = lambda t: jax.tree.map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), t)  # noqa: E731
     assert shapes(loaded.params["layers"]) == shapes(abstract["layers"])
+
+
+def test_fp8_weights_split_over_devices(tmp_path, tiny_src):
+    """Under tensor parallelism: w_down's 5 blocks of 64 inputs split as 10 of 32."""
+    from jaxserve import LLM
+
+    quantized, twin = write_fp8_pair(tiny_src, tmp_path / "fp8", tmp_path / "twin", "block")
+    engine = buckets_from_8(dict(ENGINE, tensor_parallel_size=2))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expect = [list(o.outputs[0].token_ids)
+              for o in LLM(twin, **engine).generate(PROMPTS, params, use_tqdm=False)]
+    with fp8.in_step_on_cpu():
+        llm = LLM(quantized, **engine)
+        assert step_weights(llm)["w_down"]["scale"].shape == (2, 10, 192)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expect
