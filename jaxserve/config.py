@@ -67,7 +67,7 @@ class Role(enum.StrEnum):
 
 
 class Quantization(enum.StrEnum):
-    AUTO = "auto"  # a GGUF's block-quantized projections stay in their blocks (kernels/quant.py)
+    AUTO = "auto"  # quantized projections stay so (kernels/quant.py, kernels/fp8.py)
     NONE = "none"  # every weight expanded to the float dtype at load
 
 
@@ -163,8 +163,9 @@ class EngineConfig:
               "the device at every layer) (default: unroll on an accelerator, scan on a CPU)")
     quantization: Quantization = option(
         Quantization.AUTO, "auto: a GGUF's Q8_0, Q4_0 and Q4_1 layer projections stay in "
-                           "their blocks, so steps stream fewer bytes, and are dequantized "
-                           "exactly inside the step; none: expand them at load")
+                           "their blocks, and an HF checkpoint's FP8 ones FP8 (off a CPU), so "
+                           "steps stream fewer bytes, and are dequantized inside the step; "
+                           "none: expand them at load")
     attention_backend: AttentionBackend = option(
         AttentionBackend.AUTO, "paged attention kernel (auto: on a GPU the fastest of "
                                "mosaic, triton, pallas and xla that passes a self-test on the "

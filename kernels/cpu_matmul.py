@@ -60,7 +60,7 @@ def fits(w: Mapping, contract: int, shape: tuple[int, ...] | None = None,
     scales, blocks along the last contracted axis (so the rows of k group into whole blocks)
     and a multiple of PANEL outputs; or the nibble form (quant.pack_nibbles) or the pair form
     (quant.pack_pairs) of that. `stacked`: every plane has a leading axis of layers."""
-    if not quant.is_quantized(w):
+    if not quant.is_blocks(w):
         return False
     lead = 1 if stacked else 0
     planes = list(w.values())
@@ -114,7 +114,7 @@ def pack_weight(a, batch_dims: int = 0):
     stacked layers. Blocks of 32 that one_block took as 16 go back to 32; a stack of layers
     mixing them with Q6_K's (a Q4_K_M file's ffn_down) is split in two stacks, each in its
     own form, with the slot of each layer (quant.split_by_block, quant.is_split)."""
-    if not quant.is_quantized(a) or quant.is_packed(a):
+    if not quant.is_blocks(a) or quant.is_packed(a):
         return a
     if quant.block_of(a) == quant.HALF_BLOCK:
         whole = quant.as_block32(a)
@@ -288,7 +288,7 @@ def _grouped_unread(x: jax.Array, ws: Sequence[Mapping], sizes: jax.Array) -> st
         return (f"needs x (M, K) float32, sizes (E,) and weights, got {x.shape} {x.dtype}, "
                 f"{sizes.shape} and {len(ws)} weights")
     for w in ws:
-        if not quant.is_quantized(w):
+        if not quant.is_blocks(w):
             return f"cannot read a weight of {_describe(w)}"
         flat = {p: a.reshape(-1, *a.shape[-(3 if quant.is_packed(w) else 2):])
                 for p, a in w.items()}

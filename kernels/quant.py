@@ -62,6 +62,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from jaxserve.kernels import fp8
+
 BLOCK = 32
 HALF_BLOCK = 16  # Q6_K's scales cover 16 values: blocks of 16 along the same axis
 PLANES = ("q", "scale", "min")
@@ -266,10 +268,16 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | 
                   m.astype(np.float32).reshape(rows, cols // block))
 
 
-def is_quantized(w) -> bool:
+def is_blocks(w) -> bool:
+    """A weight in GGUF's blocks, in any of this module's forms."""
     return isinstance(w, Mapping) and set(w) in (set(PLANES), set(NIBBLE_PLANES),
                                                   set(PAIR_PLANES), set(SIX_PLANES),
                                                   set(NIBBLE_SUPER_PLANES))
+
+
+def is_quantized(w) -> bool:
+    """A weight kept quantized: GGUF's blocks or FP8 codes (kernels/fp8.py)."""
+    return is_blocks(w) or fp8.is_fp8(w)
 
 
 def is_nibbles(w: Mapping) -> bool:
@@ -572,12 +580,16 @@ def unpack_nibbles(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
 
 
 def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
-    """A param as the model reads it: a quantized dict -> float weights of `dtype`, formed in
-    float32 inside the step (see the module doc for why this is exact); an array unchanged.
+    """A param as the model reads it: a quantized dict (GGUF's blocks or FP8) -> float weights
+    of `dtype`, formed in float32 inside the step (see the module doc for why this is exact);
+    an array unchanged.
     The packed forms need the weight's `shape`."""
     if not is_quantized(w):
         return w
     import jax.numpy as jnp
+
+    if fp8.is_fp8(w):
+        return fp8.dequantize(w, dtype)
 
     if is_packed(w):
         if shape is None:
@@ -589,7 +601,7 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
 
 
 def dequantize_np(w: Mapping) -> np.ndarray:
-    return _dequantize(w, np)
+    return fp8.dequantize_np(w) if fp8.is_fp8(w) else _dequantize(w, np)
 
 
 def dequantize_tree(tree):

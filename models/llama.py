@@ -41,6 +41,7 @@ from jaxserve.kernels.attention.base import NO_WINDOW
 from jaxserve.kernels.attention.kv_write import write_kv
 from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.kernels.attention.reference import ragged_paged_attention_reference
+from jaxserve.kernels.fp8 import is_fp8
 from jaxserve.kernels.quant import dequantize, is_quantized, is_split, requantize_q8
 from jaxserve.models.config import (
     ModelConfig,
@@ -258,9 +259,10 @@ class DecoderLayer(nn.Module):
         return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=1)
 
     def weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
-        """A projection in the compute dtype. Stored GGUF blocks (kernels/quant.py) are
-        dequantized here, inside the step, so only their int8 codes stream from memory (and,
-        under nn.scan, are sliced out of the layer stacks, which XLA does by a copy)."""
+        """A projection in the compute dtype. Stored GGUF blocks (kernels/quant.py) and FP8
+        codes (kernels/fp8.py) are dequantized here, inside the step, so only their codes
+        stream from memory (and, under nn.scan, are sliced out of the layer stacks, which XLA
+        does by a copy)."""
         if self.has_variable("params", name):
             return dequantize(self.get_variable("params", name), self.dtype, shape)
         return self.param(name, nn.initializers.normal(0.02), shape, self.dtype)
@@ -283,16 +285,30 @@ FUSED = {("wq", "wk", "wv"): "wqkv", ("w_gate", "w_up"): "w_gate_up"}
 def fuse_projections(params: dict, scan_layers: bool) -> dict:
     """Each layer's q/k/v and gate/up weights concatenated along their first output axis
     (wq (D, N, H), wk and wv (D, K, H) -> wqkv (D, N + 2K, H); w_gate, w_up (D, F) ->
-    w_gate_up (D, 2F)): one matmul each instead of three and two. Groups with a quantized
-    weight stay apart. Takes and returns the layout of layout_params(..., scan_layers)."""
+    w_gate_up (D, 2F)): one matmul each instead of three and two. FP8 groups fuse plane by
+    plane where their scales line up; groups with another quantized weight stay apart.
+    Takes and returns the layout of layout_params(..., scan_layers)."""
+    def concat(ws: list, axis: int):
+        xp = jnp if any(isinstance(w, jax.Array) for w in ws) else np  # traced: jnp
+        return xp.concatenate([xp.asarray(w) for w in ws], axis=axis)
+
     def fuse(layer: dict, stacked: int) -> dict:
         out = dict(layer)
+        axis = 1 + stacked
         for names, name in FUSED.items():
             ws = [layer.get(n) for n in names]
-            if any(w is None or is_quantized(w) for w in ws):
+            if any(w is None for w in ws):
                 continue
-            xp = jnp if any(isinstance(w, jax.Array) for w in ws) else np  # traced: jnp
-            out[name] = xp.concatenate([xp.asarray(w) for w in ws], axis=1 + stacked)
+            if all(is_fp8(w) for w in ws):
+                shapes = {tuple(np.delete(w["scale"].shape, axis)) for w in ws}
+                if len(shapes) != 1 or any(w["scale"].shape[axis] != w["fp8"].shape[axis]
+                                           for w in ws):  # scales not one per output
+                    continue
+                out[name] = {k: concat([w[k] for w in ws], axis) for k in ws[0]}
+            elif any(is_quantized(w) for w in ws):
+                continue
+            else:
+                out[name] = concat(ws, axis)
             for n in names:
                 del out[n]
         return out

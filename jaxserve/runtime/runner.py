@@ -28,7 +28,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, Quantization, Role
 from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.kernels import cpu_matmul, quant
+from jaxserve.kernels import cpu_matmul, fp8, quant
 from jaxserve.kernels.attention import registry
 from jaxserve.kernels.attention.base import AttentionBackend, platform_of
 from jaxserve.kernels.attention.choose import choose_attention
@@ -163,7 +163,10 @@ class _ProgramError(Exception):
 # XLA's own all-reduce kernel, which splits the step's graph at every one.
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,"
                         "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE,COLLECTIVES",
-                        "xla_gpu_experimental_use_collective_kernels": ""}
+                        "xla_gpu_experimental_use_collective_kernels": "",
+                        # FP8 codes times their block scales fused into the dot that reads
+                        # them (kernels/fp8.py), not written out as a weight first
+                        "xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True}
 
 
 def compiler_options(platform: str) -> dict | None:
@@ -322,7 +325,7 @@ class ModelRunner:
         if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
             self.mesh = sharding.make_mesh(self.devices, ep)
             mc, params = (sharding.relayout_shapes(mc, params, self.head_layout) if deviceless
-                          else sharding.relayout(mc, params, self.head_layout))
+                          else sharding.relayout(mc, params, self.head_layout, tp))
         self.model_config = mc  # heads as laid out (padded or replicated under TP)
         keep_blocks = config.quantization is Quantization.AUTO
         # Projections kept in GGUF blocks run through the CPU kernel where it builds (it says
@@ -337,6 +340,7 @@ class ModelRunner:
                                else not on_cpu)
         fuse = (self.block_matmul is None and self.mesh is None
                 and not on_cpu)
+        expand_fp8 = not keep_blocks or fp8.expands_at_load(on_cpu)
 
         def as_step_params(cfg, p):
             """The loader's tree in the step's layout: floats in the serving dtype, quantized
@@ -346,6 +350,8 @@ class ModelRunner:
             dicts in place, a weight at a time (replace_leaves)."""
             if self.block_matmul is None:  # only the CPU kernel reads a head's blocks
                 p.pop(HEAD_BLOCKS, None)
+            if expand_fp8:
+                self._expand_fp8(p)
             p = layout_params(p, cfg.num_layers, scan)
             if not keep_blocks:
                 p = replace_leaves(p, quant.dequantize_tree)
@@ -564,6 +570,19 @@ class ModelRunner:
                 executable_cache.abstract(self.step_params), executable_cache.abstract(self.pools),
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
+
+    def _expand_fp8(self, params: dict) -> None:
+        """A checkpoint's FP8 weights (kernels/fp8.py) expanded to the serving dtype, in
+        place, with a warning that says so and what it costs: on a CPU (XLA:CPU has no FP8
+        matmul) or with quantization=none."""
+        held, count = fp8.expand_tree(params)
+        if count:
+            logger.warning(
+                "FP8 weights expanded to %s at load (%s): %.1f MB -> %.1f MB",
+                jnp.dtype(self.dtype).name, "quantization=none"
+                if self.config.quantization is Quantization.NONE
+                else "on a CPU, where FP8 weights gain nothing", held / 1e6,
+                count * jnp.dtype(self.dtype).itemsize / 1e6)
 
     @staticmethod
     def _check_draft(config: EngineConfig, loaded: LoadedModel,

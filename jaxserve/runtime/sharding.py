@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.kernels import fp8
 from jaxserve.kernels.quant import is_quantized, map_planes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import grouped_experts
@@ -158,8 +159,13 @@ def shard_experts(mesh: Mesh):
     return per_device
 
 
-def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout) -> tuple[ModelConfig, dict]:
-    """The loader's (stacked) params and config with the heads of `layout`."""
+def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout,
+             tp: int = 1) -> tuple[ModelConfig, dict]:
+    """The loader's (stacked) params and config with the heads of `layout`, FP8 scale blocks
+    along a split axis small enough to divide among `tp` devices."""
+    layers = {name: fp8.split_blocks(w, _head_axis(name), tp) if fp8.is_fp8(w) else w
+              for name, w in params["layers"].items()}
+    params = {**params, "layers": layers}
     if layout.kv_replicas == 1 and not layout.pad_groups:
         return cfg, params
     layers = dict(params["layers"])
@@ -222,6 +228,12 @@ def _head_axis(name: str) -> int:
     return 1 + tuple(_LAYER_SPECS[name]).index(AXIS)
 
 
+def _plane_spec(spec: P, shape: tuple[int, ...]) -> P:
+    """A quantized weight's spec for one of its planes: an axis of length 1 (an FP8 scale
+    along its weight's inputs, per channel) is not split but broadcast."""
+    return P(*(None if a == AXIS and n == 1 else a for a, n in zip(spec, shape, strict=False)))
+
+
 def param_specs(params: dict, vocab_size: int, tp: int, ep: int = 1) -> dict:
     """A PartitionSpec per param leaf, for the stacked ("layers") or unrolled ("layers_i")
     layout. The vocabulary is split only when it divides by tp (else replicated)."""
@@ -236,7 +248,7 @@ def param_specs(params: dict, vocab_size: int, tp: int, ep: int = 1) -> dict:
                 continue
             if is_quantized(leaf):  # every plane split like the weight (block axes divide)
                 spec = P(None, *_LAYER_SPECS[name]) if stacked else _LAYER_SPECS[name]
-                out[name] = {k: spec for k in leaf}
+                out[name] = {k: _plane_spec(spec, np.shape(a)) for k, a in leaf.items()}
                 continue
             if isinstance(leaf, dict):  # norms
                 out[name] = jax.tree.map(lambda _: P(), leaf)

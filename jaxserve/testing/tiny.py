@@ -33,3 +33,55 @@ def write_tiny_llama(d, vocab_size: int = 512, seed: int = 0, **sizes) -> str:
             tensors[name] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
     save_file(tensors, str(d / "model.safetensors"))
     return str(d)
+
+
+def write_fp8_pair(src, fp8_dir, twin_dir, form: str = "block") -> tuple[str, str]:
+    """The HF model in directory `src` (float32 safetensors) as an FP8 checkpoint in
+    `fp8_dir` and its dequantized twin in `twin_dir` (the same weights as float32, no
+    quantization_config). form: "block" (quant_method fp8, 128 x 128 tiles) or "channel" /
+    "tensor" (compressed-tensors). Layer projections only; the head stays float (ignored)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    src, fp8_dir, twin_dir = (pathlib.Path(p) for p in (src, fp8_dir, twin_dir))
+    hf = json.loads((src / "config.json").read_text())
+    codes_of, top = ml_dtypes.float8_e4m3fn, np.float32(448)  # e4m3fn's largest value
+    quantized, twin = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith("proj.weight"):
+            quantized[name] = twin[name] = w
+            continue
+        if form == "block":
+            rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+            tiles = np.zeros((rows * 128, cols * 128), np.float32)
+            tiles[:w.shape[0], :w.shape[1]] = np.abs(w)
+            scale = tiles.reshape(rows, 128, cols, 128).max(axis=(1, 3)) / top
+            full = np.kron(scale, np.ones((128, 128), np.float32))[:w.shape[0], :w.shape[1]]
+            suffix = "weight_scale_inv"
+        else:
+            axis = 1 if form == "channel" else None
+            scale = np.abs(w).max(axis=axis, keepdims=axis is not None) / top
+            scale = np.asarray(scale, np.float32).reshape(-1, 1) if axis else np.float32(
+                scale).reshape(1)
+            full = np.broadcast_to(scale.reshape(-1, 1) if axis else scale, w.shape)
+            suffix = "weight_scale"
+        codes = (w / full).astype(codes_of)
+        quantized[name], quantized[name.removesuffix("weight") + suffix] = codes, scale
+        twin[name] = codes.astype(np.float32) * full
+    if form == "block":
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
+    else:
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "ignore": ["lm_head"],
+              "config_groups": {"group_0": {
+                  "targets": ["Linear"], "input_activations": {
+                      "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True},
+                  "weights": {"num_bits": 8, "type": "float", "strategy": form,
+                              "dynamic": False, "symmetric": True}}}}
+    for d, tensors, config in ((fp8_dir, quantized, hf | {"quantization_config": qc}),
+                               (twin_dir, twin, hf)):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(d / "model.safetensors"))
+    return str(fp8_dir), str(twin_dir)

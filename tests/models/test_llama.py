@@ -76,6 +76,41 @@ def as_blocks(rng, a: np.ndarray, axis: int) -> dict:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU block matmul kernel")
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_fp8_projections_fuse_and_compute_their_float_weights(block):
+    """FP8 weights (kernels/fp8.py: scales per block of inputs, 8 in wo, or per output)
+    dequantized in the step, fused or not, give the step of their float32 weights."""
+    import ml_dtypes
+
+    from jaxserve.kernels import fp8
+
+    rng = np.random.default_rng(1)
+    ids, md, rows = mixed_step()
+    k, v = pools(rng)
+    stacked = Transformer(CFG, jnp.float32, scan_layers=True).init(
+        jax.random.key(0), ids, k, v, md, rows)["params"]
+    shapes = fp8.abstract_fp8(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                           stacked), block)
+    layers = dict(stacked["layers"])
+    for name, w in shapes["layers"].items():
+        if fp8.is_fp8(w):
+            layers[name] = {
+                "fp8": np.clip(rng.standard_normal(w["fp8"].shape) * 100, -448, 448).astype(
+                    ml_dtypes.float8_e4m3fn),
+                "scale": rng.uniform(1e-4, 1e-3, w["scale"].shape).astype(np.float32)}
+    quantized = {**stacked, "layers": layers}
+    floats = {**stacked, "layers": {n: fp8.dequantize_np(w) if fp8.is_fp8(w) else w
+                                    for n, w in layers.items()}}
+    fused = fuse_projections(quantized, True)
+    assert fp8.is_fp8(fused["layers"]["wqkv"]) and fp8.is_fp8(fused["layers"]["w_gate_up"])
+
+    model = Transformer(CFG, jnp.float32)
+    want = model.apply({"params": floats}, ids, k, v, md, rows)[1]
+    for params in (quantized, fused):
+        got = model.apply({"params": params}, ids, k, v, md, rows)[1]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_the_block_matmul_skips_a_steps_padding_rows():
     """Padding rows after a step's real tokens go through no projection: they leave every layer
     as they came in (the residual alone), while the real rows' numbers equal the unpadded
