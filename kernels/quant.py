@@ -69,6 +69,7 @@ NIBBLE_PLANES = ("q4", "scale", "min")  # pack_nibbles' form
 PAIR_PLANES = ("q8", "scale", "min")  # pack_pairs' form
 SIX_PLANES = ("q6", "scale")  # pack_six's form: no minimum
 NIBBLE_SUPER_PLANES = ("q4", "scale")  # pack_nibbles' form of Q4_K's: minima in the scales
+GPU_FORMS = ({"g8", "scale"}, {"g8", "scale", "min"}, {"g4", "scale"}, {"g4", "scale", "min"})
 SIX_PAIR_BYTES = 48  # a pair of rows of a panel in pack_six's form: 32 of nibbles, 16 of tops
 PANEL = 32  # outputs per panel of the nibble form: the CPU block matmul's work item
 
@@ -269,7 +270,7 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Blocks | 
 def is_quantized(w) -> bool:
     return isinstance(w, Mapping) and set(w) in (set(PLANES), set(NIBBLE_PLANES),
                                                   set(PAIR_PLANES), set(SIX_PLANES),
-                                                  set(NIBBLE_SUPER_PLANES))
+                                                  set(NIBBLE_SUPER_PLANES), *GPU_FORMS)
 
 
 def is_nibbles(w: Mapping) -> bool:
@@ -579,6 +580,11 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
         return w
     import jax.numpy as jnp
 
+    if "g8" in w or "g4" in w:  # kernels/gpu_matmul.py's form: (K, N) planes
+        from jaxserve.kernels import gpu_matmul
+
+        w = gpu_matmul.to_int8_form(w, jnp)
+        return _dequantize(w, jnp).astype(dtype).reshape(shape or w["q"].shape)
     if is_packed(w):
         if shape is None:
             raise ValueError("the packed (nibble or pair) form of a weight is read back with "
