@@ -71,6 +71,7 @@ NIBBLE_PLANES = ("q4", "scale", "min")  # pack_nibbles' form
 PAIR_PLANES = ("q8", "scale", "min")  # pack_pairs' form
 SIX_PLANES = ("q6", "scale")  # pack_six's form: no minimum
 NIBBLE_SUPER_PLANES = ("q4", "scale")  # pack_nibbles' form of Q4_K's: minima in the scales
+GPU_FORMS = ({"g8", "scale"}, {"g8", "scale", "min"}, {"g4", "scale"}, {"g4", "scale", "min"})
 SIX_PAIR_BYTES = 48  # a pair of rows of a panel in pack_six's form: 32 of nibbles, 16 of tops
 PANEL = 32  # outputs per panel of the nibble form: the CPU block matmul's work item
 
@@ -272,7 +273,7 @@ def is_blocks(w) -> bool:
     """A weight in GGUF's blocks, in any of this module's forms."""
     return isinstance(w, Mapping) and set(w) in (set(PLANES), set(NIBBLE_PLANES),
                                                   set(PAIR_PLANES), set(SIX_PLANES),
-                                                  set(NIBBLE_SUPER_PLANES))
+                                                  set(NIBBLE_SUPER_PLANES), *GPU_FORMS)
 
 
 def is_quantized(w) -> bool:
@@ -591,6 +592,11 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
     if fp8.is_fp8(w):
         return fp8.dequantize(w, dtype)
 
+    if "g8" in w or "g4" in w:  # kernels/gpu_matmul.py's form: (K, N) planes
+        from jaxserve.kernels import gpu_matmul
+
+        w = gpu_matmul.to_int8_form(w, jnp)
+        return _dequantize(w, jnp).astype(dtype).reshape(shape or w["q"].shape)
     if is_packed(w):
         if shape is None:
             raise ValueError("the packed (nibble or pair) form of a weight is read back with "

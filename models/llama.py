@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.kv_layout import KVLayout
+from jaxserve.kernels import gpu_matmul
 from jaxserve.kernels.attention.base import NO_WINDOW
 from jaxserve.kernels.attention.kv_write import write_kv
 from jaxserve.kernels.attention.metadata import AttentionMetadata
@@ -242,8 +243,15 @@ class DecoderLayer(nn.Module):
                                    None, rows)
             if ys is not None:
                 return ys[0]
-        w = self.weight(name, shape)
         k = math.prod(shape[:contract])
+        if self.has_variable("params", name):
+            w = self.get_variable("params", name)
+            if gpu_matmul.is_gpu_form(w):  # read by the matmul itself (kernels/gpu_matmul.py)
+                if w["scale"].shape[-2] * gpu_matmul.block_of(w) != k:
+                    raise ValueError(f"{name}: GPU-form blocks do not run along its {k} "
+                                     f"contracted values")
+                return gpu_matmul.matmul(x, w).reshape(x.shape[0], *shape[contract:])
+        w = self.weight(name, shape)
         return (x @ w.reshape(k, -1)).reshape(x.shape[0], *shape[contract:])
 
     def project_fused(self, x: jax.Array, name: str, shapes: list[tuple[int, ...]],

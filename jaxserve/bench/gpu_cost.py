@@ -471,9 +471,11 @@ def preset_of_config(path: str) -> dict:
         return json.load(f)
 
 
-def deviceless_runner(preset: dict, device, programs: list[ProgramSpec], **engine):
-    """The engine's ModelRunner for `preset` on compile-only `device` (or a list of them: one
-    per tensor-parallel rank), at the accelerator defaults except what `engine` (EngineConfig
+def deviceless_runner(preset: dict, device, programs: list[ProgramSpec], loaded=None,
+                      **engine):
+    """The engine's ModelRunner for `preset` (or the abstract LoadedModel `loaded`) on
+    compile-only `device` (or a list of them: one per tensor-parallel rank), at the
+    accelerator defaults except what `engine` (EngineConfig
     fields) says, with a pool that holds every program's sequences at its context."""
     from jaxserve.config import EngineConfig
     from jaxserve.runtime.runner import ModelRunner
@@ -486,7 +488,7 @@ def deviceless_runner(preset: dict, device, programs: list[ProgramSpec], **engin
               attention_backend="mosaic", num_kv_blocks=(most + 1) * -(-context // block) + 64,
               compilation_cache_dir="", tensor_parallel_size=len(devices)) | engine
     config = EngineConfig(**kw).on_platform("gpu")
-    return ModelRunner(config, abstract_model(preset), devices, deviceless=True)
+    return ModelRunner(config, loaded or abstract_model(preset), devices, deviceless=True)
 
 
 def program_of(runner, spec: ProgramSpec):
@@ -600,3 +602,70 @@ def check_bounds(program: dict, bounds: dict = BOUNDS) -> list[str]:
     got = dict(program, floor_ratio=program["hbm_bytes"] / program["floor_bytes"])
     return [f"{name} {got[name]:g} > {limit:g}" for name, limit in bounds.items()
             if got[name] > limit]
+
+
+# ------------------------------------------------------------------------------ GGUF blocks
+
+# The contraction axis of each layer projection in the loader's stacked tree (layer axis 0):
+# the axis its GGUF blocks run along (models/loader.py hf_to_params).
+GGUF_BLOCK_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# Per kept type, the GPU form kernels/gpu_matmul.py's gpu_form makes of its blocks: codes
+# ("g8" int8, "g4" nibbles in int8 (signed) or uint8 bytes), the scale's dtype, the minimum's
+# (None: every minimum 0, no plane).
+GGUF_GPU_FORMS = {"Q8_0": ("g8", "int8", "float16", None),
+                  "Q4_0": ("g4", "int8", "float16", None),
+                  "Q4_1": ("g4", "uint8", "float16", "float16"),
+                  "Q5_0": ("g8", "int8", "float16", None),
+                  "Q5_1": ("g8", "int8", "float16", "float16"),
+                  "Q4_K": ("g4", "uint8", "float32", "float32"),
+                  "Q5_K": ("g8", "int8", "float32", "float32"),
+                  "Q6_K": ("g8", "int8", "float32", None)}
+
+
+def abstract_gguf(params: dict, type_name: str, form: str = "loader") -> dict:
+    """`params` (abstract_model's tree) as a GGUF file whose layer projections are all of
+    `type_name` (a kernels/quant.py KEPT_TYPES member) gives it: each of them in blocks of 32
+    (16 for Q6_K) along its contraction axis, as ShapeDtypeStructs; the rest as it was.
+    `form`: "loader", the loader's int8 form {"q", "scale", "min"} (float32 planes); "gpu",
+    the form the runner gives those on a GPU (kernels/gpu_matmul.py, planes (L, K, N)), which
+    it cannot make of shapes alone."""
+    import jax
+    import jax.numpy as jnp
+
+    if type_name not in GGUF_GPU_FORMS:
+        raise ValueError(f"type_name: {type_name!r} is not one of {sorted(GGUF_GPU_FORMS)}")
+    if form not in ("loader", "gpu"):
+        raise ValueError(f"form: {form!r} is neither 'loader' nor 'gpu'")
+    block = 16 if type_name == "Q6_K" else 32
+    codes, code_dtype, scale_dtype, min_dtype = GGUF_GPU_FORMS[type_name]
+
+    def blocks(w, axis: int) -> dict:
+        struct = jax.ShapeDtypeStruct
+        if form == "loader":
+            short = list(w.shape)
+            short[axis] //= block
+            plane = struct(tuple(short), jnp.float32)
+            return {"q": struct(w.shape, jnp.int8), "scale": plane, "min": plane}
+        k, n = math.prod(w.shape[1:axis + 1]), math.prod(w.shape[axis + 1:])
+        rows = k // 2 if codes == "g4" else k
+        out = {codes: struct((w.shape[0], rows, n), code_dtype),
+               "scale": struct((w.shape[0], k // block, n), scale_dtype)}
+        if min_dtype is not None:
+            out["min"] = struct((w.shape[0], k // block, n), min_dtype)
+        return out
+
+    layers = {k: blocks(w, GGUF_BLOCK_AXES[k]) if k in GGUF_BLOCK_AXES else w
+              for k, w in params["layers"].items()}
+    return {**params, "layers": layers}
+
+
+def cost_gguf(preset: dict, type_name: str, form: str, device, spec: ProgramSpec,
+              dump_dir: str, bandwidth: float, **engine) -> dict:
+    """cost_program of `spec` for `preset` with its layer projections in `type_name`'s
+    blocks, in `form` (abstract_gguf's), or in bfloat16 where type_name is "bf16"."""
+    loaded = abstract_model(preset)
+    if type_name != "bf16":
+        loaded = dataclasses.replace(loaded, params=abstract_gguf(loaded.params, type_name,
+                                                                  form))
+    runner = deviceless_runner(preset, device, [spec], loaded=loaded, **engine)
+    return cost_program(runner, spec, dump_dir, bandwidth)

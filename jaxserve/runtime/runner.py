@@ -24,11 +24,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from jaxserve.config import EngineConfig, Quantization, Role
 from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.scheduler import PreemptionMode
-from jaxserve.kernels import cpu_matmul, fp8, quant
+from jaxserve.kernels import cpu_matmul, fp8, gpu_matmul, quant
 from jaxserve.kernels.attention import registry
 from jaxserve.kernels.attention.base import AttentionBackend, platform_of
 from jaxserve.kernels.attention.choose import choose_attention
@@ -357,6 +358,8 @@ class ModelRunner:
                 p = replace_leaves(p, quant.dequantize_tree)
             if fuse:  # off the CPU: q/k/v and gate/up as one matmul each
                 p = fuse_projections(p, scan)
+            if keep_blocks and self.block_matmul is None and self.mesh is None:
+                p = gpu_matmul.to_gpu_forms(p)  # blocks the matmul reads in place
             if self.block_matmul is not None:
                 pack_in_place(p)
                 if scan:  # read in place at each layer's index, not sliced out per layer
@@ -780,9 +783,15 @@ class ModelRunner:
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         inputs = self._dummy_inputs(program)
-        if self.deviceless:
-            inputs = abstract(inputs, self._replicated)
-        return self._jitted.lower(self.step_params, self.pools, self._last_tokens, inputs)
+        if not self.deviceless:
+            return self._jitted.lower(self.step_params, self.pools, self._last_tokens, inputs)
+        inputs = abstract(inputs, self._replicated)
+        # Triton-lowered Pallas kernels read their target from an abstract device
+        target = self.devices[0]
+        device = AbstractDevice(device_kind=target.device_kind,
+                                num_cores=getattr(target, "core_count", None), platform="gpu")
+        with use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
+            return self._jitted.lower(self.step_params, self.pools, self._last_tokens, inputs)
 
     def compile_program(self, program: Program) -> jax.stages.Compiled:
         """Lower and compile `program` afresh (no cache): a deviceless runner's way to see

@@ -1,7 +1,15 @@
 """The launch-list and HBM-bytes readers of jaxserve/bench/gpu_cost.py, on texts in the forms
-XLA:GPU dumps (the whole path, compiled for an H200, is tests/scripts/test_gpu_cost.py)."""
+XLA:GPU dumps (the whole path, compiled for an H200, is tests/scripts/test_gpu_cost.py), and
+a compiled decode step on GGUF blocks against bfloat16's."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from jaxserve.bench.gpu_cost import (
     COLLECTIVE_US,
@@ -213,3 +221,43 @@ def test_collective_launches_are_split_by_graph():
     got = count_launches(parse_thunks(COLLECTIVE_THUNKS), {})
     assert (got.collectives_outside, got.collectives_in_graphs) == (1, 1)
     assert got.graphs == 1 and got.in_graphs == 3 and got.outside == 1
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLUGIN = os.environ.get("JAXSERVE_CUDA_PLUGIN_DIR", os.path.join(ROOT, ".cuda-compiler"))
+GGUF_COSTS = """
+import json, os, sys, tempfile
+sys.path.insert(0, os.path.join(sys.argv[1], "scripts"))
+import gpu_cost
+dump = tempfile.mkdtemp()
+gpu_cost.setup(sys.argv[2], dump)
+from jaxserve.bench import gpu_cost as gc
+target = gpu_cost.target_path("h100")
+device, bandwidth = gc.target_device(target), gc.bandwidth_of(target)
+preset = dict(gc.SMOLLM2, num_hidden_layers=2)
+spec = gc.ProgramSpec("decode-16", 16, 256)
+print(json.dumps({f"{t} {f}": gc.cost_gguf(preset, t, f, device, spec, dump, bandwidth)
+                  for t, f in (("bf16", ""), ("Q8_0", "loader"), ("Q8_0", "gpu"))}))
+"""
+
+
+def test_gguf_blocks_on_a_gpu_stream_fewer_bytes_than_bfloat16(tmp_path):
+    """The decode step of a two-layer model of the default model's shapes, compiled for an
+    H100: Q8_0 projections in the GPU form (kernels/gpu_matmul.py) are read by the block
+    matmul kernel, and the step streams fewer bytes than in bfloat16; in the loader's int8
+    form XLA expands them to bfloat16 in memory first, and the step streams more."""
+    if not os.path.isdir(os.path.join(PLUGIN, "jax_plugins")):
+        pytest.fail(f"JAX's CUDA plugin is not in {PLUGIN}; the README's test command installs "
+                    "it (pip install --no-deps --target .cuda-compiler jax-cuda12-plugin==0.11.2 "
+                    "jax-cuda12-pjrt==0.11.2)")
+    proc = subprocess.run([sys.executable, "-c", GGUF_COSTS, ROOT, PLUGIN], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    bf16, loader, gpu = got["bf16 "], got["Q8_0 loader"], got["Q8_0 gpu"]
+    assert gpu["hbm_bytes"] < bf16["hbm_bytes"] < loader["hbm_bytes"]
+    assert gpu["floor_bytes"] < bf16["floor_bytes"]
+    assert gpu["hbm_bytes"] / gpu["floor_bytes"] < loader["hbm_bytes"] / loader["floor_bytes"]
+    kernels = [k["name"] for k in gpu["top_kernels"] if k["opcode"] == "custom-call"]
+    assert any("gguf_block_matmul" in k for k in kernels), gpu["top_kernels"]
+    assert gpu["host_syncs"] == 0 and gpu["conditionals"] == 0
