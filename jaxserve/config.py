@@ -41,6 +41,9 @@ def _midpoints(hi: int) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# kv_cache_dtype's further spellings (vLLM's): 8-bit float pools, stored scaled by k/v_scale
+FP8_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = DTYPES + tuple(FP8_KV_DTYPES)
 MAX_NUM_SEQS = 64  # max_num_seqs's default on an accelerator
 CPU_MAX_NUM_SEQS = 16  # ... and on a CPU (see the field's help)
 DECODE_STEPS = 8  # decode_steps's default on an accelerator
@@ -78,9 +81,15 @@ class EngineConfig:
     dtype: str = option("auto", f"weights and KV dtype, one of {', '.join(DTYPES)} "
                                 "(auto: bfloat16 on a GPU/TPU, float32 on a CPU)")
     kv_cache_dtype: str = option(
-        "auto", f"KV pool dtype, one of {', '.join(DTYPES)} (auto: float16 under a float32 "
-                "model on the cpu attention backend, else the dtype's): a half-precision pool "
-                "halves what attention reads and holds twice the tokens (cpu and jnp backends)")
+        "auto", f"KV pool dtype, one of {', '.join(KV_CACHE_DTYPES)} (auto: float16 under a "
+                "float32 model on the cpu attention backend, else the dtype's): a half-"
+                "precision pool halves what attention reads and holds twice the tokens (cpu "
+                "and jnp backends); fp8 (= fp8_e4m3) and fp8_e5m2 quarter a float32 pool's "
+                "bytes (every backend), K/V stored divided by k_scale/v_scale and saturated")
+    k_scale: float = option(
+        1.0, "fp8 KV pools: K is stored as K / k_scale and read back times k_scale (vLLM's "
+             "k_scale, one for every layer; a checkpoint's per-layer scales are not read)")
+    v_scale: float = option(1.0, "fp8 KV pools: as k_scale, for V")
     max_model_len: int = option(2048, "longest sequence (prompt + output) a request may reach")
     max_num_seqs: int | None = option(
         None, "most sequences in one step (default: 16 on a CPU, 64 elsewhere; at most "
@@ -261,10 +270,14 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, "
+        for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
+        for name in ("k_scale", "v_scale"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"{name} must be a positive finite float, got {v!r}")
         if self.max_num_seqs is not None and self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "

@@ -139,6 +139,8 @@ class DecoderLayer(nn.Module):
     block_matmul: BlockMatmulFn | None = None
     experts_fn: ExpertsFn = grouped_experts  # a mixture of experts' (models/moe.py)
     kv_layout: KVLayout | None = None  # layer groups of the pool (None: one of every layer)
+    # (k_scale, v_scale) of an fp8 pool: stored K is K / k_scale (kv_write.py, reference.py)
+    kv_scales: tuple[float, float] = (1.0, 1.0)
 
     @nn.compact
     def __call__(self, carry, cos, sin, md: AttentionMetadata, stacks: dict | None = None):
@@ -176,9 +178,12 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         row, md_layer = layer_pages(self.kv_layout, layer, md)
-        k_pages, v_pages = write_kv(k_pages, v_pages, row, k, v, md_layer.slot_mapping)
+        # passed only where not 1.0, so a pool without scales runs the same program as before
+        scales = ({} if self.kv_scales == (1.0, 1.0)
+                  else dict(zip(("k_scale", "v_scale"), self.kv_scales, strict=True)))
+        k_pages, v_pages = write_kv(k_pages, v_pages, row, k, v, md_layer.slot_mapping, **scales)
         attn = self.attn_fn(q, k_pages, v_pages, row, md_layer,
-                            **attention_options(cfg, layer))  # (T, N, H)
+                            **attention_options(cfg, layer), **scales)  # (T, N, H)
         (o,) = project(attn.reshape(attn.shape[0], n * h), (("wo", (n, h, d)),), 2)
         if cfg.sandwich_norms:  # HF's post_attention_layernorm is on the attention's output
             x = x + norm("post_attention_norm")(o)
@@ -399,6 +404,7 @@ class Transformer(nn.Module):
     # the embedding's rows of input_ids (table (V, D), ids (T,) -> (T, D)); None: a gather
     # (tensor parallelism passes one that reads each device's share of the vocabulary)
     embed_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+    kv_scales: tuple[float, float] = (1.0, 1.0)  # see DecoderLayer
 
     @nn.compact
     def __call__(
@@ -444,14 +450,14 @@ class Transformer(nn.Module):
                 in_axes=(nn.broadcast,) * 4,
                 length=cfg.num_layers,
             )(cfg, dt, self.attn_fn, self.block_matmul, self.experts_fn, self.kv_layout,
-              name="layers")
+              self.kv_scales, name="layers")
             (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin,
                                                  md, stacks)
         else:  # the layer index is a Python int: static slices of the pool, no dynamic ones
             carry = (x, k_pages, v_pages, 0)
             for i in range(cfg.num_layers):
                 carry, _ = DecoderLayer(cfg, dt, self.attn_fn, self.block_matmul,
-                                         self.experts_fn, self.kv_layout,
+                                         self.experts_fn, self.kv_layout, self.kv_scales,
                                          name=f"layers_{i}")(carry, cos, sin, md)
             x, k_pages, v_pages, _ = carry
 

@@ -181,3 +181,18 @@ def test_serve_flags_take_vllms_spellings():
     assert (flat.speculative_method, flat.prompt_lookup_max) == ("ngram", 3)
     with pytest.raises(SystemExit, match="unknown key 'num_lookahead_slots'"):
         split_config(parse_args(["--speculative-config", '{"num_lookahead_slots": 2}']))
+
+
+def test_kv_cache_dtype_takes_vllms_fp8_spellings_and_positive_scales():
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "auto"):
+        assert EngineConfig(kv_cache_dtype=name).kv_cache_dtype == name
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*fp8_e4m3, fp8_e5m2"):
+        EngineConfig(kv_cache_dtype="fp8_e4m3fnuz")
+    ap = argparse.ArgumentParser()
+    add_options(ap, EngineConfig)
+    cfg = from_options(EngineConfig, ap.parse_args(["--kv-cache-dtype", "fp8", "--k-scale",
+                                                    "0.5"]))
+    assert (cfg.kv_cache_dtype, cfg.k_scale, cfg.v_scale) == ("fp8", 0.5, 1.0)
+    for name, bad in (("k_scale", 0.0), ("v_scale", -1.0), ("k_scale", float("inf"))):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: bad})

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from jaxserve.config import EngineConfig, Quantization, Role
+from jaxserve.config import FP8_KV_DTYPES, EngineConfig, Quantization, Role
 from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.kernels import cpu_matmul, fp8, gpu_matmul, quant
 from jaxserve.kernels.attention import registry
-from jaxserve.kernels.attention.base import AttentionBackend, platform_of
+from jaxserve.kernels.attention.base import AttentionBackend, is_fp8, platform_of
 from jaxserve.kernels.attention.choose import choose_attention
 from jaxserve.kernels.attention.selftest import describe_error
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
@@ -177,10 +177,10 @@ def compiler_options(platform: str) -> dict | None:
 
 def resolve_dtype(name: str, platform: str | None = None):
     """A dtype option's dtype; auto: float32 on a CPU, bfloat16 elsewhere (`platform`: the
-    step's device's, default JAX's)."""
+    step's device's, default JAX's); fp8, fp8_e4m3, fp8_e5m2: kv_cache_dtype's 8-bit floats."""
     if name == "auto":
         name = "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
-    return jnp.dtype(name)
+    return jnp.dtype(FP8_KV_DTYPES.get(name, name))
 
 
 def abstract(tree, sharding):
@@ -311,6 +311,9 @@ class ModelRunner:
             kv_dtype=None if asked is None or asked == self.dtype else asked)
         self.kv_dtype = (asked if asked is not None
                          else auto_kv_dtype(self.dtype, self.attention.backend))
+        # vLLM's: the scales apply to fp8 pools only
+        self.kv_scales = ((float(config.k_scale), float(config.v_scale))
+                          if is_fp8(self.kv_dtype) else (1.0, 1.0))
         scan = config.scan_layers
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         ep = config.expert_parallel_size
@@ -473,10 +476,12 @@ class ModelRunner:
         scan = self.config.scan_layers
         self.model = Transformer(self.model_config, self.dtype, attn_fn, scan_layers=scan,
                                  block_matmul=self.block_matmul, experts_fn=experts_fn,
-                                 kv_layout=self.kv_layout, embed_fn=embed_fn)
+                                 kv_layout=self.kv_layout, embed_fn=embed_fn,
+                                 kv_scales=self.kv_scales)
         if self.draft_config is not None:
             self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
-                                           scan_layers=scan, block_matmul=self.block_matmul)
+                                           scan_layers=scan, block_matmul=self.block_matmul,
+                                           kv_scales=self.kv_scales)
 
     def _jit_step(self):
         """The step around the current model, jitted (nothing compiled yet)."""

@@ -49,6 +49,8 @@ class AttentionFn(Protocol):
         *,
         scale: float | None = None,  # default H ** -0.5
         window: jax.Array | int | None = None,  # () int32: keys a row sees, its own included
+        k_scale: float = 1.0,  # the pools hold K / k_scale (an fp8 pool's, kv_write.py)
+        v_scale: float = 1.0,  # ... and V / v_scale
     ) -> jax.Array:  # (T, N, H) in q's dtype; padding rows unspecified
         ...
 
@@ -85,11 +87,26 @@ def platform_of(device=None) -> str:
     return "gpu" if device.platform in ("cuda", "rocm") else device.platform
 
 
-def pool_of_model_dtype(dtype, kv_dtype) -> str | None:
-    """Why a kernel that reads pools of the model's own dtype refuses `kv_dtype`, or None."""
+# The 8-bit float pools of kv_cache_dtype fp8 / fp8_e5m2, by name.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` is one of the 8-bit float pool dtypes."""
     import jax.numpy as jnp  # here, not at the top: config imports this module without jax
 
+    return dtype is not None and jnp.dtype(dtype).name in FP8_DTYPES
+
+
+def pool_of_model_dtype(dtype, kv_dtype, fp8: bool = False) -> str | None:
+    """Why a kernel that reads pools of the model's own dtype (and, with `fp8`, 8-bit float
+    pools, widened as they load) refuses `kv_dtype`, or None."""
+    import jax.numpy as jnp  # here, not at the top: config imports this module without jax
+
+    if fp8 and is_fp8(kv_dtype):
+        return None
     if kv_dtype is not None and dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
-        return (f"it reads pools of the model's dtype ({jnp.dtype(dtype).name}), not "
+        also = " or an fp8 one" if fp8 else ""
+        return (f"it reads pools of the model's dtype ({jnp.dtype(dtype).name}){also}, not "
                 f"kv_cache_dtype {jnp.dtype(kv_dtype).name}")
     return None

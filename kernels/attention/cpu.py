@@ -6,9 +6,11 @@ per query tile (a decode row, or up to `block_q` rows of one prompt chunk), and 
 tile's own positions, where the jnp backends gather each row's padded context into a new array
 and read it twice more (transpose, dots).
 
-It reads float32, float16 or bfloat16 pools; half precision is widened to float32 as it loads
-(exactly), so attention streams half the bytes. It is built with the other CPU kernels by
-`kernels/cpu_library.py`.
+It reads float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 pools; narrower ones are
+widened to float32 as they load (exactly), so attention streams half or a quarter of the bytes.
+An fp8 pool's k_scale is folded into the softmax scale and its v_scale into the output (the
+same products as scaling each key and value, one multiply per score and output). It is built
+with the other CPU kernels by `kernels/cpu_library.py`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from jaxserve.kernels.cpu_library import library
 
 TARGET = "jaxserve_ragged_paged_attention"
 MAX_GROUPS = 16  # query heads per kv head
-# Pool dtypes it reads: half-precision pools are widened to float32 as they load.
-PAGE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+# Pool dtypes it reads: narrower pools are widened to float32 as they load.
+PAGE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 @functools.cache
@@ -45,7 +47,7 @@ def head_dims() -> tuple[int, ...]:
 
 def ragged_paged_attention_cpu(
     q: jax.Array,  # (T, N, H) float32
-    k_pool: jax.Array,  # (L, P, B, K, H) float32, float16 or bfloat16 (both pools alike)
+    k_pool: jax.Array,  # (L, P, B, K, H) of PAGE_DTYPES (both pools alike)
     v_pool: jax.Array,  # (L, P, B, K, H)
     layer: jax.Array | int,  # () int32
     md: AttentionMetadata,
@@ -53,6 +55,8 @@ def ragged_paged_attention_cpu(
     scale: float | None = None,
     window: jax.Array | int | None = None,
     block_q: int = 16,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # (T, N, H) float32; padding rows are zeros
     """Same contract as `ragged_paged_attention_reference`; query tiles of `block_q` rows.
     A tile reads its keys from its first row's window on, not from the sequence's start."""
@@ -63,12 +67,13 @@ def ragged_paged_attention_cpu(
         raise ValueError(f"the cpu attention kernel cannot run: {why}")
     if not 1 <= block_q <= 64:
         raise ValueError(f"block_q must be in [1, 64], got {block_q}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = (q.shape[-1] ** -0.5 if scale is None else scale) * k_scale
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), md.block_tables,
-                md.positions, md.query_start_loc, window, scale=np.float32(scale),
-                block_q=np.int64(block_q))
+    out = call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), md.block_tables,
+               md.positions, md.query_start_loc, window, scale=np.float32(scale),
+               block_q=np.int64(block_q))
+    return out if v_scale == 1.0 else out * v_scale
 
 
 class CpuBackend(Backend):
@@ -89,7 +94,8 @@ class CpuBackend(Backend):
         if head_dim is not None and head_dim not in head_dims():
             return f"head_dim {head_dim} is not one of {head_dims()}"
         if kv_dtype is not None and jnp.dtype(kv_dtype) not in map(jnp.dtype, PAGE_DTYPES):
-            return f"it reads float32, float16 or bfloat16 pools, not {jnp.dtype(kv_dtype).name}"
+            names = ", ".join(jnp.dtype(d).name for d in PAGE_DTYPES)
+            return f"it reads {names} pools, not {jnp.dtype(kv_dtype).name}"
         return None
 
     def fn(self):

@@ -31,6 +31,11 @@ class AttentionMetadata:
 _SKIP_ROW = 1 << 30  # first row of a padding tile: past any sequence, so the tile does nothing
 
 
+def page_dtypes(dtype) -> tuple:
+    """The pool dtypes a kernel that widens fp8 pages reads under q's `dtype`."""
+    return (jnp.dtype(dtype), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
 def check_attention_inputs(q, k_pages, v_pages, md: AttentionMetadata,
                            page_dtypes: tuple | None = None) -> None:
     """Raise ValueError naming what is wrong with a paged-attention call's inputs.

@@ -36,6 +36,11 @@ Lowering semantics are pinned to warpgroup (JAX 0.11's default; 0.10's was lane)
 inference refuses a bulk copy into tiled shared memory that it cannot prove starts on a tile
 boundary, where lane semantics lower one that reads the wrong rows.
 
+**fp8 pools** (kv_cache_dtype fp8, fp8_e5m2): the bulk copies move fp8 pages (half the bytes)
+into fp8 slots; each step widens its K slot, then its V slot, in registers into one shared-memory
+operand of q's dtype for the MMA. k_scale is folded into the softmax scale, v_scale into the
+output's normalization.
+
 Constraints: bfloat16 or float16 (the MMA's input types), head_dim a multiple of 64 (the 128-byte
 swizzle), G <= 64, block size a multiple of 8 dividing `pages_per_step * B` <= 256.
 
@@ -68,6 +73,7 @@ from jaxserve.kernels.attention.metadata import (
     check_attention_inputs,
     fold_queries,
     folded_tiles,
+    page_dtypes,
     tile_extent,
     tile_offsets,
     unfold_tiles,
@@ -120,11 +126,12 @@ def _kernel(
     q_bar,
     k_bar,  # num_stages barriers, pages_per_step copies each
     v_bar,
-    *,
+    *wide,  # an fp8 pool's: (pages_per_step * B, H) each for K and V, in q's dtype
     groups: int,
     pages_per_step: int,
     num_stages: int,
-    scale: float,
+    scale: float,  # the softmax's, times k_scale
+    v_scale: float,
     interpret: bool,
 ):
     # Register layouts are the GPU lowering's business; Pallas' GPU interpreter (a CPU) has
@@ -197,12 +204,22 @@ def _kernel(
         row_pos = (x.first_pos - back) + (row_ids + (back * groups - lead)) // groups
         row_of = lambda x: lax.broadcast_in_dim(x, (rows, keys), [0])  # noqa: E731
 
+        def operand(ring, slot, i):
+            """The MMA's B operand of a slot: the slot itself, or an fp8 slot widened in
+            registers into wide[i] (the previous step's MMAs, which read it, are done)."""
+            if not wide:
+                return ring.at[slot]
+            # through float16 (exact for both fp8 formats): Hopper converts fp8 to f16 alone
+            wide[i][...] = ring[slot].astype(jnp.float16).astype(wide[i].dtype)
+            plgpu.commit_smem()  # the threads' stores, seen by the MMA
+            return wide[i]
+
         def step_fn(step, carry):
             acc, m, denom = carry
             slot = lax.rem(step, jnp.int32(num_stages))
             plgpu.barrier_wait(k_bar.at[slot])
 
-            s = mma(q_smem, k_smem.at[slot], (rows, keys), transpose_b=True)
+            s = mma(q_smem, operand(k_smem, slot, 0), (rows, keys), transpose_b=True)
             key_pos = key_ids + (first_step + step) * keys
             seen = (key_pos <= row_pos) & (key_pos > row_pos - window)
             s = jnp.where(seen, s * (scale * _LOG2E), -jnp.inf)
@@ -216,7 +233,7 @@ def _kernel(
 
             # a fresh accumulator, added: (64, H) adds, against initializing one from `acc`
             acc = (acc * lax.broadcast_in_dim(alpha, (rows, head_dim), [0])
-                   + mma(p.astype(q_smem.dtype), v_smem.at[slot], (rows, head_dim)))
+                   + mma(p.astype(q_smem.dtype), operand(v_smem, slot, 1), (rows, head_dim)))
             # the slot's MMAs are done (their results were read): refill it for a later step
             pl.when(step + num_stages < num_steps)(
                 functools.partial(fetch, step + num_stages, slot))
@@ -227,8 +244,8 @@ def _kernel(
                 layout_cast(jnp.zeros((rows,), jnp.float32), layout.reduce(1)))
         acc, _, denom = lax.fori_loop(0, num_steps, step_fn, init)
         denom = jnp.where(denom == 0.0, 1.0, denom)
-        q_smem[...] = (acc / lax.broadcast_in_dim(denom, (rows, head_dim), [0])).astype(
-            q_smem.dtype)
+        q_smem[...] = (acc * lax.broadcast_in_dim(v_scale / denom, (rows, head_dim), [0])
+                       ).astype(q_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[kh, tile])
         plgpu.wait_smem_to_gmem(0)
@@ -244,24 +261,36 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _build(num_tiles: int, kv_heads: int, head_dim: int, dtype, *, groups: int, page: int,
-           pages_per_step: int, num_stages: int, scale: float, interpret: bool):
+def _swizzled(dtype, head_dim: int) -> tuple:
+    """Tiles of 8 rows swizzled in 128-byte rows (64 for a 64-byte row of fp8): the layout
+    warpgroup MMAs read shared memory in, and the bulk copies fill."""
+    swizzle = min(128, head_dim * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def _build(num_tiles: int, kv_heads: int, head_dim: int, dtype, pool_dtype, *, groups: int,
+           page: int, pages_per_step: int, num_stages: int, scale: float, v_scale: float,
+           interpret: bool):
     keys = page * pages_per_step
-    # 128-byte swizzled tiles of 8 rows: the layout warpgroup MMAs read shared memory in
-    swizzle_elems = 128 // jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+    transforms, pool_transforms = _swizzled(dtype, head_dim), _swizzled(pool_dtype, head_dim)
+    # an fp8 pool's pages land in fp8 slots and are widened into one MMA operand each for K, V
+    wide = (plgpu.SMEM((keys, head_dim), dtype, transforms=transforms),) * 2 if (
+        jnp.dtype(pool_dtype) != jnp.dtype(dtype)) else ()
     kernel = functools.partial(_kernel, groups=groups, pages_per_step=pages_per_step,
-                               num_stages=num_stages, scale=scale, interpret=interpret)
+                               num_stages=num_stages, scale=scale, v_scale=v_scale,
+                               interpret=interpret)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((kv_heads, num_tiles, TILE_ROWS, head_dim), dtype),
         scratch_types=(
             plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, keys, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, keys, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, keys, head_dim), pool_dtype, transforms=pool_transforms),
+            plgpu.SMEM((num_stages, keys, head_dim), pool_dtype, transforms=pool_transforms),
             plgpu.Barrier(),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+            *wide,
         ),
         grid=(num_tiles, kv_heads),
         grid_names=("tile", "kv"),
@@ -276,7 +305,7 @@ def _build(num_tiles: int, kv_heads: int, head_dim: int, dtype, *, groups: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_step", "num_stages", "interpret",
-                                             "scale"))
+                                             "scale", "k_scale", "v_scale"))
 def ragged_paged_attention_mosaic(
     q: jax.Array,  # (T, N, H)
     k_pages: jax.Array,  # (L, P, B, K, H)
@@ -289,22 +318,25 @@ def ragged_paged_attention_mosaic(
     pages_per_step: int = 4,
     num_stages: int = 3,
     interpret: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # (T, N, H)
     """Attention of one step's ragged query rows over the paged KV pool (the contract of
-    pallas.ragged_paged_attention); bfloat16 or float16, f32 accumulation."""
-    check_attention_inputs(q, k_pages, v_pages, md)
+    pallas.ragged_paged_attention); bfloat16 or float16, pools of q's dtype or fp8 ones,
+    f32 accumulation."""
+    check_attention_inputs(q, k_pages, v_pages, md, page_dtypes(q.dtype))
     t, n, h = q.shape
     page, kv_heads = k_pages.shape[2], k_pages.shape[3]
     groups = n // kv_heads
     why = supports(q.dtype, h, groups, page, pages_per_step)
     if why:
         raise ValueError(f"attention_backend 'mosaic': {why}")
-    scale = h**-0.5 if scale is None else scale
+    scale = (h**-0.5 if scale is None else scale) * k_scale
     tokens = aligned_tokens(groups, TILE_ROWS)
     num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
-    call = _build(num_tiles, kv_heads, h, q.dtype, groups=groups, page=page,
+    call = _build(num_tiles, kv_heads, h, q.dtype, k_pages.dtype, groups=groups, page=page,
                   pages_per_step=pages_per_step, num_stages=num_stages, scale=scale,
-                  interpret=interpret)
+                  v_scale=v_scale, interpret=interpret)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
     out = call(tile_seq, tile_row, md.query_start_loc, md.context_lens, md.block_tables, layer,
@@ -328,7 +360,7 @@ class MosaicBackend(Backend):
 
     def unavailable(self, *, dtype=None, head_dim=None, groups=None, block_size=None,
                     kv_dtype=None, device=None):
-        why = pool_of_model_dtype(dtype, kv_dtype) or _not_hopper(device)
+        why = pool_of_model_dtype(dtype, kv_dtype, fp8=True) or _not_hopper(device)
         if why is None and IMPORT_ERROR is not None:
             why = f"this JAX has no Pallas Mosaic GPU backend ({IMPORT_ERROR})"
         if why is None and None not in (dtype, head_dim, groups, block_size):

@@ -37,6 +37,7 @@ from jaxserve.kernels.attention.metadata import (
     check_attention_inputs,
     fold_queries,
     folded_tiles,
+    page_dtypes,
     tile_extent,
     tile_rows,
     unfold_tiles,
@@ -67,7 +68,8 @@ def _kernel(
     o_ref,  # (K, NT, R, H): each tile's rows
     *,
     groups: int,
-    scale: float,
+    scale: float,  # the softmax's, times k_scale
+    v_scale: float,
 ):
     tile, kh = pl.program_id(0), pl.program_id(1)
     page = k_ref.shape[2]
@@ -87,8 +89,9 @@ def _kernel(
         def body(j, carry):
             m, denom, acc = carry
             blk = bt_ref[seq, j]
-            k = plgpu.load(k_ref.at[layer, blk, :, kh, :])  # (B, H)
-            v = plgpu.load(v_ref.at[layer, blk, :, kh, :])  # (B, H)
+            # an fp8 page is widened in registers; its scales are folded in (k: `scale`)
+            k = plgpu.load(k_ref.at[layer, blk, :, kh, :]).astype(q.dtype)  # (B, H)
+            v = plgpu.load(v_ref.at[layer, blk, :, kh, :]).astype(q.dtype)  # (B, H)
             key_pos = j * page + jnp.arange(page, dtype=jnp.int32)  # (B,)
             s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # (R, B)
             s = jnp.where(visible(key_pos[None, :], row_pos[:, None], window), s, -jnp.inf)
@@ -105,7 +108,7 @@ def _kernel(
         init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
                 jnp.zeros((rows, h), jnp.float32))
         _, denom, acc = jax.lax.fori_loop(first_page, num_pages, body, init)
-        out = acc / jnp.where(denom == 0, 1.0, denom)[:, None]
+        out = acc * (v_scale / jnp.where(denom == 0, 1.0, denom))[:, None]
         plgpu.store(o_ref.at[kh, tile], out.astype(o_ref.dtype))
 
 
@@ -113,8 +116,8 @@ def _kernel(
 
 
 def _build(num_tiles: int, rows: int, h: int, kv_heads: int, groups: int, dtype, *,
-           scale: float, interpret: bool, num_warps: int, num_stages: int):
-    kernel = functools.partial(_kernel, groups=groups, scale=scale)
+           scale: float, v_scale: float, interpret: bool, num_warps: int, num_stages: int):
+    kernel = functools.partial(_kernel, groups=groups, scale=scale, v_scale=v_scale)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
     return pl.pallas_call(
@@ -131,7 +134,7 @@ def _build(num_tiles: int, rows: int, h: int, kv_heads: int, groups: int, dtype,
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "interpret", "num_warps", "num_stages",
-                                             "scale"))
+                                             "scale", "k_scale", "v_scale"))
 def ragged_paged_attention(
     q: jax.Array,  # (T, N, H)
     k_pages: jax.Array,  # (L, P, B, K, H)
@@ -145,6 +148,8 @@ def ragged_paged_attention(
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # (T, N, H)
     """Attention of one step's ragged query rows over the paged KV pool.
 
@@ -153,18 +158,19 @@ def ragged_paged_attention(
     context_lens[s] - 1; each attends causally to its sequence's first (position + 1) keys,
     found through block_tables[s], or to the newest `window` of them. Rows past
     query_start_loc[-1] are padding and come back unspecified. float32, bfloat16 or float16
-    inputs; float32 accumulation. `block_q`: the fewest rows of a tile (16, Triton's smallest
+    inputs; the pools of q's dtype, or fp8 ones holding K / k_scale and V / v_scale; float32
+    accumulation. `block_q`: the fewest rows of a tile (16, Triton's smallest
     dot); G > block_q heads take a larger tile.
     """
-    check_attention_inputs(q, k_pages, v_pages, md)
+    check_attention_inputs(q, k_pages, v_pages, md, page_dtypes(q.dtype))
     t, n, h = q.shape
     kv_heads = k_pages.shape[3]
     groups = n // kv_heads
-    scale = h**-0.5 if scale is None else scale
+    scale = (h**-0.5 if scale is None else scale) * k_scale
     rows = tile_rows(groups, block_q)
     tokens = rows // groups
     num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
-    call = _build(num_tiles, rows, h, kv_heads, groups, q.dtype, scale=scale,
+    call = _build(num_tiles, rows, h, kv_heads, groups, q.dtype, scale=scale, v_scale=v_scale,
                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     window = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1)
@@ -184,7 +190,7 @@ class PallasBackend(Backend):
             lowering = f"this JAX has no Pallas Triton lowering ({IMPORT_ERROR})"
         else:
             lowering = None
-        return pool_of_model_dtype(dtype, kv_dtype) or lowering
+        return pool_of_model_dtype(dtype, kv_dtype, fp8=True) or lowering
 
     def fn(self):
         # On a CPU the kernel body runs in Pallas' interpreter: correct, slow, for testing.

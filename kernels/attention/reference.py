@@ -3,7 +3,9 @@
 Every query token attends to its own sequence's keys at positions <= its own position, which is
 causal inside a prefill chunk and full over the context cached by earlier steps. With a `window`
 W (a sliding-window layer), a token at position p sees only keys in (p - W, p]: the W newest,
-its own included, as HF's sliding-window mask. The keys are
+its own included, as HF's sliding-window mask. A pool of another dtype than q's (kv_cache_dtype)
+is read in q's; an fp8 pool holds K / k_scale and V / v_scale, read back times the scale. The
+keys are
 gathered through the block table per token, so memory is O(T * MB * B * K * H): fine for a CPU and
 for tests; the Pallas and Triton kernels read blocks in place instead.
 """
@@ -26,6 +28,8 @@ def ragged_paged_attention_reference(
     *,
     scale: float | None = None,
     window: jax.Array | int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # (T, N, H)
     t, n, h = q.shape
     _, _, b, kh, _ = k_pool.shape
@@ -35,7 +39,8 @@ def ragged_paged_attention_reference(
 
     tables = md.block_tables[md.token_seq]  # (T, MB)
     # (T, MB, B, K, H), in q's dtype (a pool of another dtype: kv_cache_dtype)
-    k, v = k_pool[layer, tables].astype(q.dtype), v_pool[layer, tables].astype(q.dtype)
+    k, v = widen(k_pool[layer, tables], q.dtype, k_scale), widen(v_pool[layer, tables], q.dtype,
+                                                                  v_scale)
     if isinstance(layer, int):
         # A static layer (unrolled layers): XLA:CPU would fuse the gather into the dot's
         # transpose as one element-by-element loop over the pool; kept apart, the gather moves
@@ -52,6 +57,13 @@ def ragged_paged_attention_reference(
     out = jnp.einsum("tkgc,tckh->tkgh", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(t, n, h).astype(q.dtype)
+
+
+def widen(pages: jax.Array, dtype, scale: float = 1.0) -> jax.Array:
+    """Pages read as `dtype` values: cast, then times `scale` (an fp8 pool's k_scale or
+    v_scale: what kv_write.py divided by)."""
+    x = pages.astype(dtype)
+    return x if scale == 1.0 else x * jnp.asarray(scale, dtype)
 
 
 def visible(key_pos: jax.Array, pos: jax.Array, window: jax.Array | int | None) -> jax.Array:

@@ -30,6 +30,7 @@ from jaxserve.kernels.attention.metadata import (
     check_attention_inputs,
     fold_queries,
     folded_tiles,
+    page_dtypes,
     tile_rows,
     unfold_tiles,
 )
@@ -63,7 +64,8 @@ if triton is not None:
         tile_seq_ptr,  # (NT,) int32
         tile_row_ptr,  # (NT,) int32: tile's first token within its sequence's query rows
         o_ptr,  # (KH, NT, R, H): each tile's rows
-        scale: tl.constexpr,
+        scale: tl.constexpr,  # the softmax's, times k_scale
+        V_SCALE: tl.constexpr,  # v_scale (an fp8 pool's; else 1.0)
         MB: tl.constexpr,
         P: tl.constexpr,
         KH: tl.constexpr,
@@ -102,8 +104,9 @@ if triton is not None:
                 # (B,) rows of the flattened pool; int64 since big pools pass 2**31
                 page_row = (layer.to(tl.int64) * P + blk) * B + offs_b
                 kv_off = (page_row[:, None] * KH + kh) * H + offs_h[None, :]
-                k = tl.load(k_ptr + kv_off)  # read once for the G heads
-                v = tl.load(v_ptr + kv_off)
+                # read once for the G heads; an fp8 page is widened in registers
+                k = tl.load(k_ptr + kv_off).to(q.dtype)
+                v = tl.load(v_ptr + kv_off).to(q.dtype)
                 s = tl.dot(q, tl.trans(k)) * scale
                 key_pos = j * B + offs_b
                 seen = (key_pos[None, :] <= row_pos[:, None]) & (
@@ -116,7 +119,7 @@ if triton is not None:
                 denom = alpha * denom + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
-            out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+            out = acc * (V_SCALE / tl.where(denom == 0.0, 1.0, denom))[:, None]
             o_row = (kh.to(tl.int64) * NT + tile) * R + offs_r
             tl.store(o_ptr + o_row[:, None] * H + offs_h[None, :],
                      out.to(o_ptr.dtype.element_ty))
@@ -134,11 +137,12 @@ class Launch(NamedTuple):
 
 
 def plan_launch(q, k_pages, layer, md: AttentionMetadata, *, scale: float | None = None,
-                window: jax.Array | int | None = None, block_q: int = 16) -> Launch:
+                window: jax.Array | int | None = None, block_q: int = 16,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> Launch:
     t, n, h = q.shape
     _, p, b, kv_heads, _ = k_pages.shape
     groups = n // kv_heads
-    scale = h**-0.5 if scale is None else scale
+    scale = (h**-0.5 if scale is None else scale) * k_scale
     rows = tile_rows(groups, block_q)
     tokens = rows // groups
     num_tiles, tile_seq, tile_row = folded_tiles(md, t, tokens)
@@ -147,14 +151,16 @@ def plan_launch(q, k_pages, layer, md: AttentionMetadata, *, scale: float | None
         args=(q_fold, md.block_tables, jnp.asarray(layer, jnp.int32).reshape(1),
               jnp.asarray(NO_WINDOW if window is None else window, jnp.int32).reshape(1),
               md.query_start_loc, md.context_lens, tile_seq, tile_row),
-        consts=dict(scale=float(scale), MB=md.block_tables.shape[1], P=p, KH=kv_heads, H=h,
-                    B=b, R=rows, G=groups, NT=num_tiles, QR=q_fold.shape[1]),
+        consts=dict(scale=float(scale), V_SCALE=float(v_scale), MB=md.block_tables.shape[1],
+                    P=p, KH=kv_heads, H=h, B=b, R=rows, G=groups, NT=num_tiles,
+                    QR=q_fold.shape[1]),
         grid=(num_tiles, kv_heads),
         out_shape=(kv_heads, num_tiles, rows, h),
         unfold=functools.partial(unfold_tiles, md=md, tokens=tokens, groups=groups))
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "num_warps", "num_stages", "scale"))
+@functools.partial(jax.jit, static_argnames=("block_q", "num_warps", "num_stages", "scale",
+                                             "k_scale", "v_scale"))
 def ragged_paged_attention_triton(
     q: jax.Array,  # (T, N, H)
     k_pages: jax.Array,  # (L, P, B, K, H)
@@ -167,13 +173,16 @@ def ragged_paged_attention_triton(
     block_q: int = 16,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # (T, N, H)
     """Same contract as the Pallas kernel's `ragged_paged_attention` (GPU only)."""
     reason = BACKEND.unavailable()
     if reason:
         raise ValueError(reason)
-    check_attention_inputs(q, k_pages, v_pages, md)
-    plan = plan_launch(q, k_pages, layer, md, scale=scale, window=window, block_q=block_q)
+    check_attention_inputs(q, k_pages, v_pages, md, page_dtypes(q.dtype))
+    plan = plan_launch(q, k_pages, layer, md, scale=scale, window=window, block_q=block_q,
+                       k_scale=k_scale, v_scale=v_scale)
     q_fold, *ints = plan.args
     out = jt.triton_call(
         q_fold, k_pages, v_pages, *ints,
@@ -198,7 +207,7 @@ class TritonBackend(Backend):
             missing = f"Triton kernels need a GPU; the JAX platform here is {platform!r}"
         else:
             missing = None
-        return pool_of_model_dtype(dtype, kv_dtype) or missing
+        return pool_of_model_dtype(dtype, kv_dtype, fp8=True) or missing
 
     def fn(self):
         return ragged_paged_attention_triton

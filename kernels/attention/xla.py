@@ -31,13 +31,14 @@ from jaxserve.kernels.attention.metadata import AttentionMetadata, query_tiles
 from jaxserve.kernels.attention.reference import (
     ragged_paged_attention_reference,
     visible,
+    widen,
 )
 
 _MASKED = -1e30  # a masked score: finite, so a row with nothing seen yet never makes NaNs
 
 
 def _online_attention(q, q_pos, tables, k_pool, v_pool, layer, scale, chunk_blocks,
-                      window=None):
+                      window=None, kv_scales=(1.0, 1.0)):
     """q (R, Q, K, G, H) queries of R rows (or tiles) of Q tokens, q_pos (R, Q) their positions,
     tables (R, MB) the blocks of each one's sequence -> (R, Q, K, G, H) float32.
 
@@ -55,8 +56,8 @@ def _online_attention(q, q_pos, tables, k_pool, v_pool, layer, scale, chunk_bloc
         m, norm, acc = carry  # running max (R, Q, K, G), normalizer (same), output (..., H)
         ids = tables[:, j]  # (R, c)
         # A pool of another dtype (kv_cache_dtype) computes in q's.
-        k = k_pool[layer, ids].reshape(r, c * b, kh, h).astype(q.dtype)
-        v = v_pool[layer, ids].reshape(r, c * b, kh, h).astype(q.dtype)
+        k = widen(k_pool[layer, ids].reshape(r, c * b, kh, h), q.dtype, kv_scales[0])
+        v = widen(v_pool[layer, ids].reshape(r, c * b, kh, h), q.dtype, kv_scales[1])
         s = jnp.einsum("rqkgh,rckh->rqkgc", q, k, preferred_element_type=jnp.float32) * scale
         seen = visible(j * c * b + offs[None, None, :], q_pos[:, :, None], window)  # (R, Q, cB)
         s = jnp.where(seen[:, :, None, None, :], s, _MASKED)
@@ -108,6 +109,8 @@ def ragged_paged_attention_xla(
     block_q: int = 16,
     min_rows_per_seq: int = 8,
     chunk_blocks: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> jax.Array:  # (T, N, H)
     """Same contract as `ragged_paged_attention_reference`. Tiles only in steps of at least
     `min_rows_per_seq` * S rows: the tile count is bounded by (T - S) / block_q + S, all
@@ -126,11 +129,13 @@ def ragged_paged_attention_xla(
             first = dataclasses.replace(md, positions=md.positions[:rows],
                                         token_seq=md.token_seq[:rows])
             out = ragged_paged_attention_reference(q[:rows], k_pool, v_pool, layer, first,
-                                                   scale=scale, window=window)
+                                                   scale=scale, window=window,
+                                                   k_scale=k_scale, v_scale=v_scale)
             return out.astype(jnp.float32)
         out = _online_attention(
             q[:rows].reshape(rows, 1, kh, g, h), md.positions[:rows, None],
-            md.block_tables[md.token_seq[:rows]], k_pool, v_pool, layer, scale, c, window)
+            md.block_tables[md.token_seq[:rows]], k_pool, v_pool, layer, scale, c, window,
+            (k_scale, v_scale))
         return out.reshape(rows, n, h)
 
     if t < min_rows_per_seq * s or t <= s:  # every row on the per-row path
@@ -153,12 +158,12 @@ def ragged_paged_attention_xla(
     tables = md.block_tables[tile_seq]  # (NT, MB)
     c = _chunks(True, mb, chunk_blocks)
     if c is None:
-        k = k_pool[layer, tables].reshape(num_tiles, mb * b, kh, h).astype(q.dtype)
-        v = v_pool[layer, tables].reshape(num_tiles, mb * b, kh, h).astype(q.dtype)
+        k = widen(k_pool[layer, tables].reshape(num_tiles, mb * b, kh, h), q.dtype, k_scale)
+        v = widen(v_pool[layer, tables].reshape(num_tiles, mb * b, kh, h), q.dtype, v_scale)
         tail = _attend(q_tiles, k, v, q_pos, scale, window)
     else:
         tail = _online_attention(q_tiles, q_pos, tables, k_pool, v_pool, layer, scale, c,
-                                 window)
+                                 window, (k_scale, v_scale))
     tail = tail.reshape(num_tiles * block_q, n, h)
     out = jnp.zeros((t, n, h), jnp.float32).at[:s].set(head)
     out = out.at[rows.reshape(-1)].set(tail, mode="drop")

@@ -1,9 +1,10 @@
 // Half-precision bits -> float32, exactly: float16 (scales of the block matmul's nibble form,
-// and K/V pages) and bfloat16 (K/V pages).
+// and K/V pages), bfloat16 and the 8-bit floats (K/V pages).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace jaxserve {
 
@@ -35,5 +36,26 @@ inline float bfloat16_to_float(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+// A float8_e4m3fn's bits -> float32: bias 7, three mantissa bits, no infinities (S.1111.111 is
+// the NaN).
+inline float e4m3fn_to_float(uint8_t b) {
+  const uint32_t sign = uint32_t(b & 0x80) << 24, exp = (b >> 3) & 0xf, man = b & 0x7;
+  if (exp == 0xf && man == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  uint32_t bits;
+  if (exp) {
+    bits = sign | ((exp + 120) << 23) | (man << 20);
+  } else {  // subnormal (or zero): man * 2^-9, exact in float32
+    const float f = float(man) * 0x1p-9f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A float8_e5m2's bits -> float32: they are the top byte of a float16.
+inline float e5m2_to_float(uint8_t b) { return half_to_float(uint16_t(b) << 8); }
 
 }  // namespace jaxserve

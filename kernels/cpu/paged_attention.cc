@@ -10,8 +10,10 @@
 //
 // Shapes (the axis legend of the Python side):
 //   q            (T, N, H) float32     N = K * G query heads
-//   k/v pool     (L, P, B, K, H) float32, float16 or bfloat16 (both are widened to float32 as
-//                                    they load; the arithmetic is float32 either way)
+//   k/v pool     (L, P, B, K, H) float32, float16, bfloat16, float8_e4m3fn or float8_e5m2
+//                                    (widened to float32 as they load; the arithmetic is
+//                                    float32 either way; an fp8 pool's scales are folded into
+//                                    `scale` and the output by the Python side)
 //   layer        () int32              the layer whose pages are read
 //   block_tables (S, MB) int32
 //   positions    (T,) int32            a row sees keys 0..position of its sequence
@@ -20,6 +22,7 @@
 //   query_start  (S + 1,) int32        sequence s owns rows [query_start[s], query_start[s+1])
 //   out          (T, N, H) float32     rows no sequence owns (padding) are zero
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -85,8 +88,8 @@ inline v8 exp_nonpositive(v8 x) {
   return p * scale;
 }
 
-// How the pool's rows are stored: float32, or the bits of float16 or bfloat16. A page row is
-// read eight values at a time, as floats; a half-precision pool halves what attention streams.
+// How the pool's rows are stored: float32, or the bits of float16, bfloat16 or an 8-bit float. A
+// page row is read eight values at a time, as floats; a narrower pool streams fewer bytes.
 // Eight half-precision values widened one at a time, where the CPU lacks the vector form.
 template <float (*Widen)(uint16_t)>
 inline v8 widen_each(const uint16_t* p) {
@@ -120,6 +123,32 @@ struct BF16Pages {
 #endif
   }
 };
+
+// 8-bit float pools: each byte's value looked up in a table of all 256, eight at a time.
+template <float (*Widen)(uint8_t)>
+const std::array<float, 256> kFp8Values = [] {
+  std::array<float, 256> t;
+  for (int i = 0; i < 256; ++i) t[i] = Widen(static_cast<uint8_t>(i));
+  return t;
+}();
+
+template <float (*Widen)(uint8_t)>
+struct Fp8Pages {
+  using T = uint8_t;
+  static v8 load8(const uint8_t* p) {
+    const float* values = kFp8Values<Widen>.data();
+#if defined(__AVX2__)
+    const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return (v8)_mm256_i32gather_ps(values, i, 4);
+#else
+    v8 x;
+    for (int i = 0; i < W; ++i) x[i] = values[p[i]];
+    return x;
+#endif
+  }
+};
+using E4M3Pages = Fp8Pages<jaxserve::e4m3fn_to_float>;
+using E5M2Pages = Fp8Pages<jaxserve::e5m2_to_float>;
 
 struct Problem {
   const float* q;
@@ -378,6 +407,8 @@ TileFn tile_fn(ffi::DataType pages, int64_t head_dim) {
     case ffi::DataType::F32: return tile_fn<F32Pages>(head_dim, HeadVectors{});
     case ffi::DataType::F16: return tile_fn<F16Pages>(head_dim, HeadVectors{});
     case ffi::DataType::BF16: return tile_fn<BF16Pages>(head_dim, HeadVectors{});
+    case ffi::DataType::F8E4M3FN: return tile_fn<E4M3Pages>(head_dim, HeadVectors{});
+    case ffi::DataType::F8E5M2: return tile_fn<E5M2Pages>(head_dim, HeadVectors{});
     default: return nullptr;
   }
 }
@@ -405,7 +436,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       window.typed_data()[0] < 1)
     return ffi::Error::InvalidArgument(
         "paged attention: unsupported shapes or pool types (k and v pools alike, float32, "
-        "float16 or bfloat16)");
+        "float16, bfloat16, float8_e4m3fn or float8_e5m2)");
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1);
   const int64_t layer_bytes = k_pool.size_bytes() / num_layers;
   Problem pr{q.typed_data(), static_cast<const char*>(k_pool.untyped_data()) + l * layer_bytes,

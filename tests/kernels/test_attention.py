@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.attention.base import NO_WINDOW
-from jaxserve.kernels.attention.kv_write import write_kv
+from jaxserve.kernels.attention.kv_write import quantize_kv, write_kv
 from jaxserve.kernels.attention.metadata import (
     ALIGN,
     aligned_tokens,
@@ -346,52 +346,63 @@ def test_gpu_kernels_match_reference(backend, dtype, window):
     assert_close(got, want, t, dtype)
 
 
-def run_triton_interpreted(dtype: str, groups: int, window: int | None = None) -> None:
+def run_triton_interpreted(dtype: str, groups: int, window: int | None = None,
+                           kv_dtype: str | None = None) -> None:
     """The jax-triton backend's kernel, launched as it plans, by Triton's interpreter on torch
-    CPU tensors (a process with TRITON_INTERPRET=1 set before triton is imported)."""
+    CPU tensors (a process with TRITON_INTERPRET=1 set before triton is imported).
+    `kv_dtype`: an fp8 pool (as kv_write stores it, with scales) instead of one of `dtype`."""
     import torch
 
     from jaxserve.kernels.attention.triton import _kernel, plan_launch
 
     q, k, v, md, t = make_case(groups, MIXED, kv_heads=2, groups=groups, dtype=dtype)
-    plan = plan_launch(q, k, LAYER, md, window=window)
-    as_torch = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    scales = {} if kv_dtype is None else dict(k_scale=2.0, v_scale=0.5)
+    if kv_dtype is not None:
+        k, v = quantize_kv(k, kv_dtype, 2.0), quantize_kv(v, kv_dtype, 0.5)
+    plan = plan_launch(q, k, LAYER, md, window=window, **scales)
+    as_torch = lambda a: torch.from_numpy(np.array(a))  # noqa: E731
+    # numpy has no fp8: the pool's bytes, viewed as torch's fp8 dtype of the same name
+    pool = (as_torch if kv_dtype is None else lambda a: torch.from_numpy(
+        np.array(a).view(np.uint8)).view(getattr(torch, kv_dtype)))
     q_fold, *ints = map(as_torch, plan.args)
     out = torch.empty(plan.out_shape, dtype=q_fold.dtype)
-    _kernel[plan.grid](q_fold, as_torch(k), as_torch(v), *ints, out, **plan.consts)
+    _kernel[plan.grid](q_fold, pool(k), pool(v), *ints, out, **plan.consts)
     got = plan.unfold(jnp.asarray(out.numpy()))
-    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window)
+    want = ragged_paged_attention_reference(q, k, v, LAYER, md, window=window, **scales)
     assert_close(got, want, t, dtype)
 
 
-@pytest.mark.parametrize("dtype, groups, window", [("float32", 3, None), ("float16", 8, None),
-                                                   ("float32", 3, 20)])
-def test_triton_kernel_matches_reference_in_tritons_interpreter(dtype, groups, window):
+@pytest.mark.parametrize("dtype, groups, window, kv_dtype", [
+    ("float32", 3, None, None), ("float16", 8, None, None), ("float32", 3, 20, None),
+    ("float32", 3, None, "float8_e4m3fn"), ("float16", 8, None, "float8_e5m2")])
+def test_triton_kernel_matches_reference_in_tritons_interpreter(dtype, groups, window, kv_dtype):
     pytest.importorskip("triton", reason="the triton package is not installed")
     pytest.importorskip("torch", reason="torch is not installed")
     code = ("from tests.kernels.test_attention import run_triton_interpreted as run; "
-            f"run({dtype!r}, {groups}, {window})")
+            f"run({dtype!r}, {groups}, {window}, {kv_dtype!r})")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=os.environ | {"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, monkeypatch):
-    """The jax-triton kernel compiled by Triton itself down to a cubin for sm_90 (H100/H200)."""
+@pytest.mark.parametrize("dtype, pool", [("fp32", "fp32"), ("bf16", "bf16"),
+                                         ("bf16", "fp8e4nv"), ("bf16", "fp8e5")])
+def test_triton_kernel_compiles_for_hopper_without_a_gpu(dtype, pool, monkeypatch):
+    """The jax-triton kernel compiled by Triton itself down to a cubin for sm_90 (H100/H200),
+    over pools of the queries' dtype and fp8 ones (float8_e4m3fn, float8_e5m2)."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # today's default, stated explicitly
     triton = pytest.importorskip("triton", reason="the triton package is not installed")
     from triton.backends.compiler import GPUTarget
 
     from jaxserve.kernels.attention.triton import _kernel
 
-    ptrs = ["q_ptr", "k_ptr", "v_ptr", "o_ptr"]
+    ptrs = ["q_ptr", "o_ptr"]
     ints = ["bt_ptr", "layer_ptr", "window_ptr", "qsl_ptr", "ctx_ptr", "tile_seq_ptr",
             "tile_row_ptr"]
-    consts = {"scale": 0.125, "MB": 32, "P": 1024, "KH": 8, "H": 128, "B": 16, "R": 16, "G": 4,
-              "NT": 40, "QR": 528}
-    sig = {p: f"*{dtype}" for p in ptrs} | {p: "*i32" for p in ints} | dict.fromkeys(
-        consts, "constexpr")
+    consts = {"scale": 0.125, "V_SCALE": 1.0, "MB": 32, "P": 1024, "KH": 8, "H": 128, "B": 16,
+              "R": 16, "G": 4, "NT": 40, "QR": 528}
+    sig = ({p: f"*{dtype}" for p in ptrs} | {p: f"*{pool}" for p in ("k_ptr", "v_ptr")}
+           | {p: "*i32" for p in ints} | dict.fromkeys(consts, "constexpr"))
     src = triton.compiler.ASTSource(fn=_kernel, signature=sig, constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "num_stages": 2})

@@ -1,7 +1,7 @@
 """Every Pallas GPU kernel the engine can pick lowers for CUDA (sm_90a) without a GPU, at the
 engine's shapes: GQA groups 1, 3, 4 and 8, head_dim 64 and 128, block size 16, bfloat16 and
 float16 (and float32 for the Triton-lowered kernel), over decode-only, prefill-only and mixed
-ragged batches.
+ragged batches; and over fp8 pools (kv_cache_dtype fp8, fp8_e5m2) with their scales.
 
 Lowering runs each GPU backend's own checks that the interpreter skips (Mosaic GPU's layout
 inference, e.g. that a bulk copy into tiled shared memory starts on a tile boundary), and the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +49,15 @@ def hopper():
 
 
 def lower_for_cuda(backend: str, groups: int, head_dim: int, dtype: str, batch: str,
-                   window: int | None = None) -> str:
+                   window: int | None = None, kv_dtype: str | None = None) -> str:
     """`window`: a sliding window, traced (as a scanned model of local and global layers
-    passes it)."""
+    passes it). `kv_dtype`: an fp8 pool, read with scales, instead of one of `dtype`."""
     kernel, _ = KERNELS[backend]
     q, k, v, md, _ = make_case(0, BATCHES[batch], kv_heads=2, groups=groups, dtype=dtype,
                                block_size=BLOCK_SIZE, head_dim=head_dim)
+    if kv_dtype is not None:
+        k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+        kernel = functools.partial(kernel, k_scale=2.0, v_scale=0.5)
     if batch == "one":  # the step of a single decode, no padding rows
         q = q[:1]
         md = dataclasses.replace(md, positions=md.positions[:1], token_seq=md.token_seq[:1],
@@ -85,4 +89,14 @@ def test_gpu_kernel_lowers_for_hopper(backend, groups, head_dim, dtype, batch):
 @pytest.mark.parametrize("backend", KERNELS)
 def test_gpu_kernel_lowers_for_hopper_with_a_sliding_window(backend):
     text = lower_for_cuda(backend, 3, 64, "bfloat16", "mixed", window=24)
+    assert text.count(KERNELS[backend][1]) == 1
+
+
+@pytest.mark.parametrize("backend, groups, head_dim, kv_dtype", [
+    (backend, groups, head_dim, kv_dtype)
+    for backend in KERNELS
+    for groups, head_dim in ((1, 64), (3, 128), (8, 128))
+    for kv_dtype in ("float8_e4m3fn", "float8_e5m2")])
+def test_gpu_kernel_lowers_for_hopper_over_an_fp8_pool(backend, groups, head_dim, kv_dtype):
+    text = lower_for_cuda(backend, groups, head_dim, "bfloat16", "mixed", kv_dtype=kv_dtype)
     assert text.count(KERNELS[backend][1]) == 1
