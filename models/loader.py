@@ -22,11 +22,14 @@ import importlib.util
 import json
 import logging
 import math
+import mmap
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from jaxserve.kernels import fp8
@@ -121,38 +124,68 @@ def _load_hf_dir(path: str) -> LoadedModel:
             raise FileNotFoundError(f"safetensors shards named in the index are missing: {missing}")
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
-    tensors = {}
+    mapped = MappedTensors()
     for file in files:
-        tensors.update(_read_safetensors(file))
+        mapped.add(file)
+    tensors = mapped.tensors
     if scheme is not None:
         tensors = fp8.assemble(tensors, scheme)
     tensors = moe.canonical_expert_names(cfg, split_fused(cfg, tensors))
-    cfg, params = hf_to_params(cfg, tensors)
+    cfg, params = hf_to_params(cfg, tensors, release=mapped.drop)
     return LoadedModel(cfg, params, load_tokenizer(path), path)
 
 
-def _read_safetensors(file: str) -> dict[str, np.ndarray]:
-    """A file's tensors as float32, FP8 ones (F8_E4M3) as their float8_e4m3fn codes."""
-    from safetensors import safe_open
+# safetensors dtype -> numpy's (ml_dtypes' for bfloat16 and FP8)
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+                       "BF16": ml_dtypes.bfloat16, "F8_E4M3": fp8.CODE_DTYPE, "I64": np.int64,
+                       "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+_FLOATS = ("F64", "F32", "F16", "BF16")
 
-    out = {}
-    header, start = _safetensors_header(file)
-    # The flax framework understands bfloat16 (numpy does not); convert to float32 here and let
-    # the runner cast to the serving dtype.
-    with safe_open(file, framework="flax") as f, open(file, "rb") as raw:
-        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            kind = header[name]["dtype"]
-            if kind == "F8_E4M3":  # read as the bytes they are (no framework reads them)
-                lo, hi = header[name]["data_offsets"]
-                raw.seek(start + lo)
-                codes = np.frombuffer(raw.read(hi - lo), np.uint8).view(fp8.CODE_DTYPE)
-                out[name] = codes.reshape(header[name]["shape"])
-            elif kind.startswith("F8"):
+
+class MappedTensors:
+    """A checkpoint's safetensors files mapped read-only, each tensor a view of its bytes in
+    the file's dtype: nothing is copied until the loader stacks a layer's tensors or the
+    runner casts a weight and puts it on its devices. `drop` gives the pages of tensors
+    already copied out back to the kernel, so the mapped files do not stay resident beside
+    the weights made from them (a view read again faults its pages back in)."""
+
+    def __init__(self):
+        self.tensors: dict[str, np.ndarray] = {}
+        self._where: dict[int, tuple[mmap.mmap, int, int]] = {}  # id(view) -> map, bytes
+
+    def add(self, file: str) -> None:
+        header, start = _safetensors_header(file)
+        with open(file, "rb") as f:
+            whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            kind = t["dtype"]
+            if kind.startswith("F8") and kind != "F8_E4M3":
                 raise ValueError(f"{file}: tensor {name!r} is {kind}; FP8 weights are read as "
                                  f"F8_E4M3 (float8_e4m3fn) only")
+            if kind not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{file}: tensor {name!r} has dtype {kind}, which this loader "
+                                 f"does not read ({', '.join(_SAFETENSORS_DTYPES)})")
+            lo, hi = (start + o for o in t["data_offsets"])
+            dtype = np.dtype(_SAFETENSORS_DTYPES[kind])
+            view = np.frombuffer(whole, dtype, (hi - lo) // dtype.itemsize, lo)
+            view = view.reshape(t["shape"])
+            if view.ndim < 2 and kind in _FLOATS:  # norms and biases: float32 at once
+                view = view.astype(np.float32)
             else:
-                out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
-    return out
+                self._where[id(view)] = (whole, lo, hi)
+            self.tensors[name] = view
+
+    def drop(self, arrays) -> None:
+        """Let the kernel take back the pages of these views (those copied out already)."""
+        for a in arrays:
+            where = self._where.pop(id(a), None)
+            if where is not None:
+                whole, lo, hi = where
+                lo -= lo % mmap.PAGESIZE
+                whole.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _safetensors_header(file: str) -> tuple[dict, int]:
@@ -425,13 +458,15 @@ def split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
 
 
 def hf_to_params(
-    cfg: ModelConfig, tensors: dict[str, np.ndarray], output: Blocks | None = None
+    cfg: ModelConfig, tensors: dict[str, np.ndarray], output: Blocks | None = None,
+    release: Callable[[list], None] | None = None,
 ) -> tuple[ModelConfig, dict[str, Any]]:
-    """Check HF-named tensors (float32; `quant.Blocks` or `fp8.Fp8` for layer projections)
+    """Check HF-named tensors (floats; `quant.Blocks` or `fp8.Fp8` for layer projections)
     against the config and build the Flax param tree. Takes the layer tensors out of
     `tensors` as it stacks them, so that a model's weights are in memory about once.
     `output`: the output projection's (V, D) blocks as the file keeps them, given as
-    HEAD_BLOCKS (D, V).
+    HEAD_BLOCKS (D, V). `release`: called with each layer's tensors once stacked (a mapped
+    checkpoint's MappedTensors.drop).
 
     Returns the config too, corrected where the tensors say more than the metadata did.
     """
@@ -453,10 +488,17 @@ def hf_to_params(
         """One layer param stacked over the layers; a quantized dict when its tensors are
         Blocks and their blocks fit the layout (fn then re-lays out each plane, so it leaves
         the block axis as -1), or are Fp8 (in blocks within a `head` of inputs where given),
-        else float32. Where some layers' blocks are Q6_K's 16 values, the others' are taken
-        as blocks of 16 too (the same weights)."""
+        else floats (a safetensors checkpoint's own dtype, a GGUF's float32). Where some
+        layers' blocks are Q6_K's 16 values, the others' are taken as blocks of 16 too (the
+        same weights)."""
         # taken out of `tensors`: each layer's copy frees once stacked
         ws = [tensors.pop(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
+        out = stacked(ws, fn, blocks_fit, head)
+        if release is not None:
+            release(ws)
+        return out
+
+    def stacked(ws, fn, blocks_fit, head):
         if all(isinstance(w, Fp8) for w in ws):
             if head is not None:
                 ws = [w.with_block(math.gcd(w.block, head)) for w in ws]

@@ -346,12 +346,24 @@ class ModelRunner:
                 and not on_cpu)
         expand_fp8 = not keep_blocks or fp8.expands_at_load(on_cpu)
 
-        def as_step_params(cfg, p):
-            """The loader's tree in the step's layout: floats in the serving dtype, quantized
-            weights (kernels/quant.py) as they are, or expanded with quantization=none; with
-            the CPU block matmul, codes in the panels it reads (nibbles: half the bytes to
-            stream) and the head as Q8 blocks, in pairs, where it is exactly that. Edits p's
-            dicts in place, a weight at a time (replace_leaves)."""
+        def serving(a):
+            """A float leaf in the serving dtype; quantized and integer leaves as they are."""
+            return (a if quant.is_quantized(a) or is_int(a) else
+                    jnp.asarray(a, self.dtype) if isinstance(a, jax.Array) else
+                    np.asarray(a, self.dtype))
+
+        def placed(a, where):
+            """A leaf cast and put on its devices in one go: the loader's (mapped) array frees
+            before the next is cast, so no second copy of the model builds up on the host."""
+            return put_waiting(serving(a), where)
+
+        def as_step_params(cfg, p, cast=True):
+            """The loader's tree in the step's layout: floats in the serving dtype (`cast`;
+            else as loaded, for `placed`), quantized weights (kernels/quant.py) as they are,
+            or expanded with quantization=none; with the CPU block matmul, codes in the
+            panels it reads (nibbles: half the bytes to stream) and the head as Q8 blocks, in
+            pairs, where it is exactly that. Edits p's dicts in place, a weight at a time
+            (replace_leaves)."""
             if self.block_matmul is None:  # only the CPU kernel reads a head's blocks
                 p.pop(HEAD_BLOCKS, None)
             if expand_fp8:
@@ -372,13 +384,11 @@ class ModelRunner:
                     p = {**p, HEAD_BLOCKS: cpu_matmul.pack_weight(blocks)}
                     if quant.is_packed(p[HEAD_BLOCKS]):  # the kernel reads it: no float head
                         p.pop("lm_head", None)
-            return replace_leaves(p, lambda a: a if quant.is_quantized(a) or is_int(a) else
-                                  jnp.asarray(a, self.dtype) if isinstance(a, jax.Array) else
-                                  np.asarray(a, self.dtype))
+            return replace_leaves(p, serving) if cast else p
 
         # deviceless: the same conversions, traced on the params' shapes alone
         params = (jax.eval_shape(functools.partial(as_step_params, mc), params) if deviceless
-                  else as_step_params(mc, params))
+                  else as_step_params(mc, params, cast=False))
         self.draft_config = self._check_draft(config, loaded, draft)
         self.kv_layout = plan_kv_layout(config, mc, draft is not None)
         self.block_size = config.block_size
@@ -400,10 +410,10 @@ class ModelRunner:
                             "out_shardings": ((kv_sharding,), rep, rep)}
         # deviceless: shapes alone, on the compile-only devices
         self.params = (abstract(params, param_sharding) if deviceless
-                       else replace_leaves(params, put_waiting, param_sharding))
+                       else replace_leaves(params, placed, param_sharding))
         if self.draft_config is not None:
             self.draft_params = replace_leaves(as_step_params(
-                self.draft_config, hand_over(draft, take_params)), put_waiting, rep)
+                self.draft_config, hand_over(draft, take_params), cast=False), placed, rep)
         # Rows' logit processing: the history holds every distinct token of a context.
         self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
                                                           config.max_model_len)

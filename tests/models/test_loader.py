@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -296,8 +298,28 @@ def test_bfloat16_safetensors_load(tmp_path):
     model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
     got = load_model(str(tmp_path / "bf16"))
     want = model.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
-    np.testing.assert_array_equal(got.params["layers"]["w_up"][1], want)
-    assert got.params["layers"]["w_up"].dtype == np.float32
+    np.testing.assert_array_equal(got.params["layers"]["w_up"][1].astype(np.float32), want)
+    # kept in the file's dtype (no float32 copy of the model); norms, tiny, as float32
+    assert got.params["layers"]["w_up"].dtype == jnp.bfloat16
+    assert got.params["embed"].dtype == jnp.bfloat16 and not got.params["embed"].flags.writeable
+    assert got.params["final_norm"]["weight"].dtype == np.float32
+
+
+def test_mapped_tensors_give_back_pages_and_read_them_again(tmp_path, tiny_llama_dir):
+    """A checkpoint's tensors are views of its mapped files; dropping a view's pages after it
+    was copied out leaves it readable (the pages come back from the file)."""
+    from jaxserve.models.loader import MappedTensors
+
+    mapped = MappedTensors()
+    for file in sorted(pathlib.Path(tiny_llama_dir).glob("*.safetensors")):
+        mapped.add(str(file))
+    name = "model.layers.0.mlp.up_proj.weight"
+    view = mapped.tensors[name]
+    assert not view.flags.owndata and not view.flags.writeable  # the file's bytes, mapped
+    copy = np.array(view)
+    mapped.drop([view])
+    np.testing.assert_array_equal(view, copy)
+    mapped.drop([view])  # a second drop of the same view does nothing
 
 
 def test_quantized_gguf_keeps_blocks_that_dequantize_to_the_float_load(tmp_path, tiny_llama_dir,
