@@ -107,25 +107,6 @@ def to_gpu_forms(params: dict) -> dict:
     return params
 
 
-def codes(w: Mapping, xp=np):
-    """The int8 codes (..., K, N) of a GPU-form weight."""
-    if "g8" in w:
-        return w["g8"]
-    g = w["g4"]
-    if g.dtype == np.int8:  # two's complement nibbles: shifts keep the sign
-        lo, hi = xp.right_shift(xp.left_shift(g, 4), 4), xp.right_shift(g, 4)
-    else:
-        lo, hi = (g & 15).astype(np.int8), (g >> 4).astype(np.int8)
-    return xp.concatenate([lo, hi], axis=-2)
-
-
-def to_int8_form(w: Mapping, xp=np) -> dict:
-    """The int8 form (kernels/quant.py) of a GPU-form weight, as (..., K, N) planes."""
-    scale = w["scale"].astype(np.float32)
-    minimum = w["min"].astype(np.float32) if "min" in w else xp.zeros_like(scale)
-    return {"q": codes(w, xp), "scale": scale, "min": minimum}
-
-
 # ----------------------------------------------------------------------------------- kernel body
 
 

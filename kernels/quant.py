@@ -580,6 +580,25 @@ def unpack_nibbles(w: Mapping, shape: tuple[int, ...], xp=np) -> dict:
                        for name in ("scale", "min")}}
 
 
+def gpu_codes(w: Mapping, xp=np):
+    """The int8 codes (..., K, N) of a weight in kernels/gpu_matmul.py's form."""
+    if "g8" in w:
+        return w["g8"]
+    g = w["g4"]
+    if g.dtype == np.int8:  # two's complement nibbles: shifts keep the sign
+        lo, hi = xp.right_shift(xp.left_shift(g, 4), 4), xp.right_shift(g, 4)
+    else:
+        lo, hi = (g & 15).astype(np.int8), (g >> 4).astype(np.int8)
+    return xp.concatenate([lo, hi], axis=-2)
+
+
+def gpu_to_int8_form(w: Mapping, xp=np) -> dict:
+    """The int8 form of a weight in kernels/gpu_matmul.py's form, as (..., K, N) planes."""
+    scale = w["scale"].astype(np.float32)
+    minimum = w["min"].astype(np.float32) if "min" in w else xp.zeros_like(scale)
+    return {"q": gpu_codes(w, xp), "scale": scale, "min": minimum}
+
+
 def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
     """A param as the model reads it: a quantized dict (GGUF's blocks or FP8) -> float weights
     of `dtype`, formed in float32 inside the step (see the module doc for why this is exact);
@@ -593,9 +612,7 @@ def dequantize(w, dtype, shape: tuple[int, ...] | None = None):
         return fp8.dequantize(w, dtype)
 
     if "g8" in w or "g4" in w:  # kernels/gpu_matmul.py's form: (K, N) planes
-        from jaxserve.kernels import gpu_matmul
-
-        w = gpu_matmul.to_int8_form(w, jnp)
+        w = gpu_to_int8_form(w, jnp)
         return _dequantize(w, jnp).astype(dtype).reshape(shape or w["q"].shape)
     if is_packed(w):
         if shape is None:

@@ -47,7 +47,7 @@ def test_gpu_form_holds_the_files_values(kind):
     """Bit for bit what gguf dequantizes, in the planes the deviceless cost takes for the type
     (gpu_cost.GGUF_GPU_FORMS): half-precision scales only where they are exact."""
     w, want = gpu_weight(kind)
-    np.testing.assert_array_equal(quant.dequantize_np(gpu_matmul.to_int8_form(w)), want)
+    np.testing.assert_array_equal(quant.dequantize_np(quant.gpu_to_int8_form(w)), want)
     got = np.asarray(quant.dequantize(w, jnp.float32))  # as the step forms it
     np.testing.assert_array_equal(got, want)
     codes, code_dtype, scale_dtype, min_dtype = GGUF_GPU_FORMS[kind]
@@ -67,7 +67,7 @@ def test_gpu_form_of_stacked_layers_and_a_two_axis_contraction():
     g = gpu_matmul.gpu_form(w, batch_dims=1)
     assert g["g8"].shape == (2, 256, 48) and g["scale"].dtype == np.float16
     want = quant.dequantize_np(w).reshape(2, 256, 48)
-    np.testing.assert_array_equal(quant.dequantize_np(gpu_matmul.to_int8_form(g)), want)
+    np.testing.assert_array_equal(quant.dequantize_np(quant.gpu_to_int8_form(g)), want)
     tree = {"layers": {"wo": w, "input_norm": {"weight": np.ones((2, 48))}}, "embed": q}
     gpu_matmul.to_gpu_forms(tree)
     assert gpu_matmul.is_gpu_form(tree["layers"]["wo"]) and tree["embed"] is q
