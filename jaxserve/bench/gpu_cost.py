@@ -529,13 +529,10 @@ def memory_plan(runner, target: str, temporaries: int, utilization: float = 0.9)
     at `utilization` (vLLM's default 0.9) less the weights and `temporaries` (the largest
     compiled program's), the rest as KV blocks of max_model_len sequences."""
     from jaxserve.runtime import memory_plan as mp
-    from jaxserve.runtime.kv_cache import bytes_per_block
-    from jaxserve.runtime.sharding import bytes_per_device
 
-    mc = runner.model_config
-    block = bytes_per_block(mc, runner.block_size, runner.kv_dtype) // runner.tensor_parallel_size
-    return mp.from_device(memory_of(target), utilization, bytes_per_device(runner.params),
-                          temporaries, block, runner.block_size, runner.config.max_model_len)
+    own = runner.memory_plan  # the runner's weights and block, per device
+    return mp.from_device(memory_of(target), utilization, own.weights_bytes, temporaries,
+                          own.block_bytes, own.block_size, own.max_model_len)
 
 
 def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> dict:

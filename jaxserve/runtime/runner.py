@@ -559,20 +559,16 @@ class ModelRunner:
         blocks (the pool is an argument the step updates in place, so its size is not
         scratch): the step's own memory, which the KV pool must leave room for."""
         groups = self.model_config.num_layers // self.kv_layout.rows
-        kept = getattr(self, "num_blocks", None)
-        self.num_blocks = (self.config.max_blocks_per_seq + 1) * groups  # the dummies' ids
-        try:
-            pools = self._pools(self.num_blocks, kv_sharding, abstract_only=True)
-            jitted = self._jit_step()
-            most = 0
-            for program in self.largest_programs():
-                inputs = abstract(self._dummy_inputs(program), self._replicated)
-                exe = jitted.lower(self.step_params, pools, self._last_tokens,
-                                   inputs).compile(self.compiler_options)
-                most = max(most, exe.memory_analysis().temp_size_in_bytes)
-            return most
-        finally:
-            self.num_blocks = kept
+        num_blocks = (self.config.max_blocks_per_seq + 1) * groups
+        pools = self._pools(num_blocks, kv_sharding, abstract_only=True)
+        jitted = self._jit_step()
+        most = 0
+        for program in self.largest_programs():
+            inputs = abstract(self._dummy_inputs(program, num_blocks), self._replicated)
+            exe = jitted.lower(self.step_params, pools, self._last_tokens,
+                               inputs).compile(self.compiler_options)
+            most = max(most, exe.memory_analysis().temp_size_in_bytes)
+        return most
 
     def _make_step(self) -> None:
         """Jit the step around the current model, with no program built yet."""
@@ -790,10 +786,12 @@ class ModelRunner:
             self._unused[s] = jax.device_put(self.logits_shape.unused(s), self._replicated)
         return self._unused[s]
 
-    def _dummy_inputs(self, program: Program) -> StepInputs:
+    def _dummy_inputs(self, program: Program, num_blocks: int | None = None) -> StepInputs:
+        """`program`'s padding inputs, its ids within a pool of `num_blocks` pages (default:
+        this runner's)."""
         return dummy_step_inputs(program.tokens, program.seqs, program.blocks, self.block_size,
-                                 self.num_blocks, self.logits_shape, program.spec_k,
-                                 program.plain, program.decode_steps,
+                                 num_blocks or self.num_blocks, self.logits_shape,
+                                 program.spec_k, program.plain, program.decode_steps,
                                  self.kv_layout.num_groups)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
