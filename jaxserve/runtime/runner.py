@@ -35,9 +35,11 @@ from jaxserve.kernels.attention.base import AttentionBackend, is_fp8, platform_o
 from jaxserve.kernels.attention.choose import choose_attention
 from jaxserve.kernels.attention.selftest import describe_error
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
+from jaxserve.models import layer_stack
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import (
     HEAD_BLOCKS,
+    LAYER_BLOCKS,
     Transformer,
     fuse_projections,
     head_blocks,
@@ -127,6 +129,34 @@ def put_waiting(a, sharding):
     """jax.device_put, waiting for the copy: the host array is let go of then, not whenever
     an asynchronous transfer finishes (a model's worth could pile up)."""
     return jax.block_until_ready(jax.device_put(a, sharding))
+
+
+def layer_keys(scan: bool) -> tuple[str, ...]:
+    """The keys of a one-layer step tree that hold the layer: stacked (leading axis 1) when
+    scanned, else the layer itself."""
+    return ("layers", LAYER_BLOCKS) if scan else ("layers_0",)
+
+
+def all_layers(params: dict, num_layers: int, scan: bool) -> dict:
+    """A step tree of one layer (and the rest) as shapes of the tree of `num_layers` alike."""
+    out = {k: v for k, v in params.items() if k not in layer_keys(scan)}
+    if scan:
+        for k in layer_keys(scan):
+            if k in params:
+                out[k] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                    (num_layers, *a.shape[1:]), a.dtype), params[k])
+    else:
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                              params["layers_0"])
+        out |= {f"layers_{i}": shapes for i in range(num_layers)}
+    return out
+
+
+@functools.cache
+def _write_layer(where):
+    """slot i of a stacked param on its devices, written in place (the stack donated)."""
+    return jax.jit(lambda stack, part, i: jax.lax.dynamic_update_index_in_dim(stack, part, i, 0),
+                   donate_argnums=0, out_shardings=where)
 
 
 def own_structure(tree: dict) -> dict:
@@ -321,16 +351,9 @@ class ModelRunner:
         self.devices = sharding.device_group(devices, tp, ep)
         self.compiler_options = compiler_options(platform_of(self.devices[0]))
         mc, params = loaded.config, hand_over(loaded, take_params)
-        self.mesh = None
         self.head_layout = sharding.HeadLayout.plan(mc, tp)  # (the identity at tp = 1)
-        if mc.is_moe and tp * ep > 1:  # experts split over the mesh as float weights
-            params = {**params, "layers": {**params["layers"], "moe": quant.dequantize_tree(
-                params["layers"]["moe"])}}
-        if tp * ep > 1:  # runtime/sharding.py: heads (and experts) over the mesh
-            self.mesh = sharding.make_mesh(self.devices, ep)
-            mc, params = (sharding.relayout_shapes(mc, params, self.head_layout) if deviceless
-                          else sharding.relayout(mc, params, self.head_layout, tp))
-        self.model_config = mc  # heads as laid out (padded or replicated under TP)
+        # runtime/sharding.py: heads (and experts) over the mesh
+        self.mesh = sharding.make_mesh(self.devices, ep) if tp * ep > 1 else None
         keep_blocks = config.quantization is Quantization.AUTO
         # Projections kept in GGUF blocks run through the CPU kernel where it builds (it says
         # why not on other platforms; one device: XLA cannot split a custom call over a mesh);
@@ -345,6 +368,7 @@ class ModelRunner:
         fuse = (self.block_matmul is None and self.mesh is None
                 and not on_cpu)
         expand_fp8 = not keep_blocks or fp8.expands_at_load(on_cpu)
+        self._fp8_expanded = [0, 0]  # bytes held as FP8, values expanded
 
         def serving(a):
             """A float leaf in the serving dtype; quantized and integer leaves as they are."""
@@ -379,16 +403,35 @@ class ModelRunner:
                 pack_in_place(p)
                 if scan:  # read in place at each layer's index, not sliced out per layer
                     p = split_layer_blocks(p, quant.is_packed)
-                blocks = head_blocks(cfg, p)
+                blocks = head_blocks(cfg, p) if "embed" in p or HEAD_BLOCKS in p else None
                 if blocks is not None:
                     p = {**p, HEAD_BLOCKS: cpu_matmul.pack_weight(blocks)}
                     if quant.is_packed(p[HEAD_BLOCKS]):  # the kernel reads it: no float head
                         p.pop("lm_head", None)
             return replace_leaves(p, serving) if cast else p
 
-        # deviceless: the same conversions, traced on the params' shapes alone
-        params = (jax.eval_shape(functools.partial(as_step_params, mc), params) if deviceless
-                  else as_step_params(mc, params, cast=False))
+        def step_form(cfg, p):
+            """The loader's tree (and config) as the step reads them, on the host: heads laid
+            out for the mesh, then as_step_params (deviceless: traced on shapes alone)."""
+            if cfg.is_moe and tp * ep > 1:  # experts split over the mesh as float weights
+                p = {**p, "layers": {**p["layers"], "moe": quant.dequantize_tree(
+                    p["layers"]["moe"])}}
+            if tp * ep > 1:
+                cfg, p = (sharding.relayout_shapes(cfg, p, self.head_layout) if deviceless
+                          else sharding.relayout(cfg, p, self.head_layout, tp))
+            return cfg, (jax.eval_shape(functools.partial(as_step_params, cfg), p)
+                         if deviceless else as_step_params(cfg, p, cast=False))
+
+        # A mapped checkpoint's layers (models/layer_stack.py) are converted and placed a
+        # layer at a time (_place_layers): here layer 0 with the rest gives every shape.
+        stacks = params.pop("layers") if layer_stack.holds_stacks(params) else None
+        if stacks is None:
+            mc, params = step_form(mc, params)
+        else:
+            one = dataclasses.replace(mc, num_layers=1)
+            mc, params = step_form(one, {**params, "layers": layer_stack.layer_of(stacks, 0)})
+            mc = dataclasses.replace(mc, num_layers=loaded.config.num_layers)
+        self.model_config = mc  # heads as laid out (padded or replicated under TP)
         self.draft_config = self._check_draft(config, loaded, draft)
         self.kv_layout = plan_kv_layout(config, mc, draft is not None)
         self.block_size = config.block_size
@@ -403,17 +446,22 @@ class ModelRunner:
             self._jit_kw = {}
         else:
             param_sharding = sharding.named(self.mesh, sharding.param_specs(
-                params, mc.vocab_size, tp, ep))
+                params if stacks is None else all_layers(params, mc.num_layers, scan),
+                mc.vocab_size, tp, ep))
             kv_sharding = sharding.named(self.mesh, sharding.KV_SPEC)
             rep = sharding.named(self.mesh, sharding.P())
             self._jit_kw = {"in_shardings": ((param_sharding,), (kv_sharding,), rep, rep),
                             "out_shardings": ((kv_sharding,), rep, rep)}
         # deviceless: shapes alone, on the compile-only devices
-        self.params = (abstract(params, param_sharding) if deviceless
-                       else replace_leaves(params, placed, param_sharding))
+        self.params = (abstract(params, param_sharding) if deviceless else
+                       replace_leaves(params, placed, param_sharding) if stacks is None else
+                       self._place_layers(params, stacks, param_sharding, scan, serving,
+                                          lambda p: step_form(one, p)[1]))
         if self.draft_config is not None:
             self.draft_params = replace_leaves(as_step_params(
-                self.draft_config, hand_over(draft, take_params), cast=False), placed, rep)
+                self.draft_config, layer_stack.built(hand_over(draft, take_params)),
+                cast=False), placed, rep)
+        self._warn_expanded()
         # Rows' logit processing: the history holds every distinct token of a context.
         self.logits_shape = logits_processing.LogitsShape(loaded.config.vocab_size,
                                                           config.max_model_len)
@@ -585,11 +633,51 @@ class ModelRunner:
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
 
+    def _place_layers(self, first: dict, stacks: dict, where, scan: bool, serving,
+                      step_form) -> dict:
+        """The step's params on their devices from `first` (the rest and layer 0 in the step's
+        layout, on the host) and the loader's LayerStacks, a layer at a time: `step_form`
+        converts each further layer, and its mapped pages are given back once it is placed.
+        Scanned, each stack is allocated on the devices and written slot by slot. `where`:
+        the params' shardings (a tree, or one for all); `serving`: a leaf in its dtype."""
+        num_layers = len(jax.tree.leaves(stacks)[0])
+        keys = layer_keys(scan)
+        at = lambda k: where[k] if isinstance(where, dict) else where
+        on = lambda fn, k, *trees: (jax.tree.map(fn, *trees, at(k)) if isinstance(where, dict)
+                                    else jax.tree.map(lambda *a: fn(*a, where), *trees))
+        out = {k: first.pop(k) for k in list(first) if k not in keys}  # taken: freed as placed
+        replace_leaves(out, lambda a, s: put_waiting(serving(a), s),
+                       {k: at(k) for k in out})
+        for i in range(num_layers):
+            layer = ({k: first.pop(k) for k in keys if k in first} if i == 0 else
+                     step_form({"layers": layer_stack.layer_of(stacks, i)}))
+            for k in keys:
+                if k not in layer:
+                    continue
+                part = replace_leaves(layer[k], serving)  # on the host, a layer's worth
+                if not scan:
+                    out[f"layers_{i}"] = on(put_waiting, f"layers_{i}", part)
+                    continue
+                if i == 0:
+                    out[k] = on(lambda a, s: jnp.zeros((num_layers, *a.shape[1:]), a.dtype,
+                                                       device=s), k, part)
+                out[k] = on(lambda stack, a, s, i=i: _write_layer(s)(stack, put_waiting(a, s), i),
+                            k, out[k], part)
+            del layer, part  # this layer's host copy, before the next is made
+            layer_stack.release_layer(stacks, i)
+        return out
+
     def _expand_fp8(self, params: dict) -> None:
         """A checkpoint's FP8 weights (kernels/fp8.py) expanded to the serving dtype, in
-        place, with a warning that says so and what it costs: on a CPU (XLA:CPU has no FP8
-        matmul) or with quantization=none."""
+        place: on a CPU (XLA:CPU has no FP8 matmul) or with quantization=none. Counted for
+        _warn_expanded."""
         held, count = fp8.expand_tree(params)
+        self._fp8_expanded = [a + b for a, b in zip(self._fp8_expanded, (held, count),
+                                                    strict=True)]
+
+    def _warn_expanded(self) -> None:
+        """One warning for the FP8 weights expanded at load, with what it costs."""
+        held, count = self._fp8_expanded
         if count:
             logger.warning(
                 "FP8 weights expanded to %s at load (%s): %.1f MB -> %.1f MB",
