@@ -215,7 +215,12 @@ def split_blocks(w: Mapping, axis: int, parts: int) -> dict:
         return dict(w)
     block = n // s
     finer = math.gcd(block, n // parts)
-    return {"fp8": w["fp8"], "scale": np.repeat(np.asarray(w["scale"]), block // finer, axis)}
+    scale = w["scale"]
+    if not isinstance(scale, np.ndarray):  # traced: sharding.relayout_shapes
+        import jax.numpy as np_like
+    else:
+        np_like = np
+    return {"fp8": w["fp8"], "scale": np_like.repeat(scale, block // finer, axis)}
 
 
 _FORCED = [False]

@@ -417,7 +417,7 @@ class ModelRunner:
                 p = {**p, "layers": {**p["layers"], "moe": quant.dequantize_tree(
                     p["layers"]["moe"])}}
             if tp * ep > 1:
-                cfg, p = (sharding.relayout_shapes(cfg, p, self.head_layout) if deviceless
+                cfg, p = (sharding.relayout_shapes(cfg, p, self.head_layout, tp) if deviceless
                           else sharding.relayout(cfg, p, self.head_layout, tp))
             return cfg, (jax.eval_shape(functools.partial(as_step_params, cfg), p)
                          if deviceless else as_step_params(cfg, p, cast=False))

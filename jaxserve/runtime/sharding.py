@@ -159,6 +159,11 @@ def shard_experts(mesh: Mesh):
     return per_device
 
 
+def _xp(a):
+    """numpy for host arrays, jax.numpy for traced ones (relayout_shapes)."""
+    return jnp if isinstance(a, jax.Array) else np
+
+
 def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout,
              tp: int = 1) -> tuple[ModelConfig, dict]:
     """The loader's (stacked) params and config with the heads of `layout`, FP8 scale blocks
@@ -175,41 +180,31 @@ def relayout(cfg: ModelConfig, params: dict, layout: HeadLayout,
             continue
         axis = _head_axis(name)  # never a quantized weight's block axis: one plan for all planes
         if name in _KV_PARAMS and layout.kv_replicas > 1:
-            layers[name] = map_planes(lambda a, ax=axis: np.repeat(np.asarray(a),
-                                                                   layout.kv_replicas, axis=ax),
-                                      layers[name])
+            layers[name] = map_planes(lambda a, ax=axis: _xp(a).repeat(
+                _xp(a).asarray(a), layout.kv_replicas, axis=ax), layers[name])
         elif layout.pad_groups:
             def pad(a, axis=axis, width=pad_q if name in _Q_PARAMS else layout.pad_groups):
                 widths = [(0, 0)] * np.ndim(a)
                 widths[axis] = (0, width)
-                return np.pad(np.asarray(a), widths)  # zero codes, scales and minima: zero rows
+                # zero codes, scales and minima: zero rows
+                return _xp(a).pad(_xp(a).asarray(a), widths)
 
             layers[name] = map_planes(pad, layers[name])
     cfg = dataclasses.replace(cfg, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
     return cfg, {**params, "layers": layers}
 
 
-def relayout_shapes(cfg: ModelConfig, params: dict,
-                    layout: HeadLayout) -> tuple[ModelConfig, dict]:
+def relayout_shapes(cfg: ModelConfig, params: dict, layout: HeadLayout,
+                    tp: int = 1) -> tuple[ModelConfig, dict]:
     """relayout() of params given as shapes alone (ShapeDtypeStructs: a deviceless runner's)."""
-    def grown(a, name):
-        if name not in _Q_PARAMS + _KV_PARAMS:
-            return a
-        shape = list(a.shape)
-        axis = _head_axis(name)
-        if name in _KV_PARAMS and layout.kv_replicas > 1:
-            shape[axis] *= layout.kv_replicas
-        elif layout.pad_groups:
-            groups = cfg.num_heads // cfg.num_kv_heads
-            shape[axis] += layout.pad_groups * (groups if name in _Q_PARAMS else 1)
-        return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+    laid_out = {}
 
-    if layout.kv_replicas == 1 and not layout.pad_groups:
-        return cfg, params
-    layers = {name: map_planes(lambda a, n=name: grown(a, n), w)
-              for name, w in params["layers"].items()}
-    return (dataclasses.replace(cfg, num_heads=layout.num_heads,
-                                num_kv_heads=layout.num_kv_heads), {**params, "layers": layers})
+    def run(p):
+        laid_out["cfg"], p = relayout(cfg, p, layout, tp)
+        return p
+
+    params = jax.eval_shape(run, params)
+    return laid_out["cfg"], params
 
 
 # Specs of one layer's params (no layer axis), by name.

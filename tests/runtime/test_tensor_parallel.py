@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
+from jaxserve.kernels import fp8
 from jaxserve.models.config import ModelConfig
 from jaxserve.runtime import sharding
 from jaxserve.runtime.step_inputs import Program
@@ -63,6 +64,30 @@ def test_tiny_models_give_the_same_tokens_at_tp_1_2_4(arch, layer_loop, tiny_mod
     params1, kv1 = size[1]
     assert size[2][1] == kv1 // 2 and size[4][1] == kv1 // 2  # tp 4: kv heads doubled
     assert size[2][0] < params1 * 0.6 and size[4][0] < size[2][0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_relayout_of_shapes_is_that_of_the_weights(tp):
+    """A deviceless runner's relayout_shapes gives the shapes relayout gives real weights: q
+    heads padded (9 / 3 at tp 2 or 4), and FP8 scale blocks along a split axis made fine
+    enough to divide (w_down's 384 inputs, 3 blocks of 128, split in 2 or 4)."""
+    cfg = ModelConfig("llama", 100, 64, 384, 2, num_heads=9, num_kv_heads=3, head_dim=64)
+    rng = np.random.default_rng(tp)
+    fp8_of = lambda shape, scale: {"fp8": rng.standard_normal(shape).astype(fp8.CODE_DTYPE),
+                                   "scale": rng.random(scale, np.float32)}
+    params = {"embed": rng.random((100, 64), np.float32), "layers": {
+        "wq": rng.random((2, 64, 9, 64), np.float32),
+        "wk": rng.random((2, 64, 3, 64), np.float32), "wv": rng.random((2, 64, 3, 64), np.float32),
+        "wo": fp8_of((2, 9, 64, 64), (2, 9, 1, 64)),
+        "w_down": fp8_of((2, 384, 64), (2, 3, 64))}}
+    layout = sharding.HeadLayout.plan(cfg, tp)
+    got_cfg, got = sharding.relayout(cfg, params, layout, tp)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    want_cfg, want = sharding.relayout_shapes(cfg, shapes, layout, tp)
+    assert got_cfg == want_cfg and got_cfg.num_heads == 12
+    assert got["layers"]["w_down"]["scale"].shape == (2, 3 * (2 if tp == 2 else 4), 64)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), want)
 
 
 def test_head_layouts():
