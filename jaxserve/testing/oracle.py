@@ -81,3 +81,22 @@ def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
     model.save_pretrained(path, max_shard_size="300KB" if "moe" in arch or arch == "mixtral"
                           else "5GB")
     return model
+
+
+def make_peft_adapter(model, path: str, seed: int = 0, b_std: float = 0.1, **lora_config):
+    """Write a PEFT LoRA adapter for HF `model` into `path` (`lora_config`: LoraConfig's
+    fields): made with get_peft_model, its B set to random values (PEFT starts B at zero,
+    an adapter that changes nothing), saved with save_pretrained; `model` is left as it was."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(**lora_config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:  # A as well: PEFT's own draw is torch's global one
+                p.copy_(torch.randn(p.shape, generator=gen) * (b_std if "lora_B" in name
+                                                                else p.shape[-1] ** -0.5))
+    peft_model.save_pretrained(path)
+    peft_model.unload()  # the base model's own modules back in place
+    return path
