@@ -62,6 +62,7 @@ class LoRASlots:
         self.num_slots = num_slots
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self._free = list(range(num_slots, 0, -1))  # popped from the end: 1 first
+        self.num_loads = 0  # adapters written into a slot
 
     def slot_of(self, lora_id: int) -> int | None:
         return self._slot_of.get(lora_id)
@@ -86,6 +87,7 @@ class LoRASlots:
                 return None
             slot = self._slot_of.pop(victim)
         self._slot_of[lora_id] = slot
+        self.num_loads += 1
         return slot, True
 
     def release(self, lora_id: int) -> None:
