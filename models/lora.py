@@ -142,9 +142,6 @@ def load_adapter(path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     conf_file, weights_file = (os.path.join(path, f) for f in (CONFIG_FILE, WEIGHTS_FILE))
     if not os.path.isfile(conf_file):
         raise ValueError(f"lora_path: {path!r} has no {CONFIG_FILE}")
-    if not os.path.isfile(weights_file):
-        raise ValueError(f"lora_path: {path!r} has no {WEIGHTS_FILE} (other weight files "
-                         f"are not read)")
     with open(conf_file, "rb") as f:
         conf_bytes = f.read()
     try:
@@ -154,6 +151,9 @@ def load_adapter(path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     if not isinstance(conf, dict):
         raise ValueError(f"{CONFIG_FILE}: must be a JSON object")
     _check_config(conf, cfg, max_rank)
+    if not os.path.isfile(weights_file):
+        raise ValueError(f"lora_path: {path!r} has no {WEIGHTS_FILE} (other weight files "
+                         f"are not read)")
 
     from jaxserve.models.loader import MappedTensors  # (the loader imports the model)
 

@@ -127,7 +127,7 @@ def test_smollm_lora_adapters_match_hf_peft(smollm, hf_smollm, tmp_path):
     projection with rsLoRA; r 16 and 8 on o, down by rank_pattern and alpha_pattern) and the
     base model, mixed in one batch, over the GGUF's block matmul: tokens equal HF + PEFT's on
     the dequantized weights, logprobs within 2e-2 (the float16 pool, HF's float32)."""
-    ids = [smollm.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    ids = [smollm.tokenizer(p).input_ids for p in PROMPTS[:2]]
     check_lora_mix(hf_smollm, tmp_path, ids, 8, 2e-2, 0.15, loaded=smollm,
-                   max_num_seqs=12, max_num_batched_tokens=64, max_model_len=128,
-                   num_kv_blocks=64, token_buckets=(16, 64))
+                   max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                   num_kv_blocks=64, token_buckets=(8, 64))
