@@ -50,7 +50,6 @@ from jaxserve.models.config import (
     rope_inv_freq,
     rope_long_from,
 )
-from jaxserve.models.lora import lora_update, slot_mask
 from jaxserve.models.moe import ExpertsFn, MoE, grouped_experts
 from jaxserve.models.ordered import ordered_sum
 
@@ -124,6 +123,20 @@ def layer_pages(layout: KVLayout | None, layer: jax.Array | int,
         row = jnp.asarray(layout.layer_row, jnp.int32)[layer]
     return row, dataclasses.replace(md, block_tables=md.block_tables[group],
                                     slot_mapping=md.slot_mapping[group])
+
+
+def slot_mask(lora_slots: jax.Array, num_slots: int, rank: int, dtype) -> jax.Array:
+    """(T,) each row's slot -> (T, S * R): 1 on the row's slot's R rank columns, else 0."""
+    cols = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank
+    return (lora_slots[:, None] == cols[None, :]).astype(dtype)
+
+
+def lora_update(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
+    """Each row's low-rank update, its own slot's: x (T, Din), a (Din, S, R), b (S, R, Dout),
+    mask (T, S * R) from slot_mask -> (T, Dout)."""
+    din, s, r = a.shape
+    xa = (x @ a.reshape(din, s * r)) * mask  # (T, S * R): other slots' columns zeroed
+    return xa @ b.reshape(s * r, -1)
 
 
 def apply_rope(x, cos, sin):  # x (T, heads, H); cos/sin (T, H/2)

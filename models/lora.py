@@ -23,10 +23,10 @@ import os
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import MappedTensors
 
 # PEFT's module name -> (the model's param name, its block, contracted axes)
 MODULES = {
@@ -155,8 +155,6 @@ def load_adapter(path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
         raise ValueError(f"lora_path: {path!r} has no {WEIGHTS_FILE} (other weight files "
                          f"are not read)")
 
-    from jaxserve.models.loader import MappedTensors  # (the loader imports the model)
-
     mapped = MappedTensors()
     try:
         mapped.add(weights_file)
@@ -255,17 +253,3 @@ def write_slot(slots: dict, slot: jax.Array, values: dict) -> dict:
     donated, it writes in place."""
     return {p: {"a": w["a"].at[:, :, slot].set(values[p]["a"]),
                 "b": w["b"].at[:, slot].set(values[p]["b"])} for p, w in slots.items()}
-
-
-def slot_mask(lora_slots: jax.Array, num_slots: int, rank: int, dtype) -> jax.Array:
-    """(T,) each row's slot -> (T, S * R): 1 on the row's slot's R rank columns, else 0."""
-    cols = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank
-    return (lora_slots[:, None] == cols[None, :]).astype(dtype)
-
-
-def lora_update(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
-    """Each row's low-rank update, its own slot's: x (T, Din), a (Din, S, R), b (S, R, Dout),
-    mask (T, S * R) from slot_mask -> (T, Dout)."""
-    din, s, r = a.shape
-    xa = (x @ a.reshape(din, s * r)) * mask  # (T, S * R): other slots' columns zeroed
-    return xa @ b.reshape(s * r, -1)

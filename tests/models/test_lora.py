@@ -11,7 +11,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.lora import load_adapter, lora_update, slot_mask
+from jaxserve.models.llama import lora_update, slot_mask
+from jaxserve.models.lora import load_adapter
 
 HF = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
           intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
