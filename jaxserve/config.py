@@ -235,6 +235,18 @@ class EngineConfig:
                 "(over every token; such a request reads no blocks from the prefix cache, "
                 "whose tokens' hidden states are not kept) or last (the last token's, which "
                 "is computed even when the rest comes from the cache)")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT's format) beside the base model: a request names "
+               "its adapter (LoRARequest) and rows of different adapters share a step")
+    max_loras: int = option(
+        1, "LoRA adapters one step may use: the device holds this many slots of adapter "
+           "weights; a request whose adapter finds no slot free waits for one")
+    max_lora_rank: int = option(
+        16, "largest LoRA rank served: every slot is padded to it, and an adapter of a "
+            "higher rank is refused")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded on the host, least recently used dropped first "
+              "(read again from their path when needed; default: max_loras)")
     speculative_config: dict | None = option(
         None, "vLLM's spelling of the speculative fields, as a JSON object: method, model, "
               "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min (a model without "
@@ -322,6 +334,15 @@ class EngineConfig:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and "
                              f"prompt_lookup_max ({self.prompt_lookup_max}) must satisfy "
                              f"1 <= min <= max")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_cpu_loras is not None and (
+                isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int)
+                or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an int >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
         for name in ("token_buckets", "seq_buckets", "block_buckets"):
             b = getattr(self, name)
             if b is not None and (not b or any(x <= 0 for x in b)):

@@ -62,6 +62,9 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, AttentionMet
 # (x, weights, contract, shapes, layer[, rows]) -> ys or None: kernels/cpu_matmul.py
 BlockMatmulFn = Callable[..., list[jax.Array] | None]
 LAYER_BLOCKS = "layer_blocks"  # a scanned model's block-matmul weights: split_layer_blocks()
+# LoRA adapter slots, every layer's: {param: {"a": (L, Din, S, R), "b": (L, S, R, Dout)}}
+# (models/lora.py); a row's update is added to the base projection's output
+LORA = "lora"
 
 
 class RMSNorm(nn.Module):
@@ -122,6 +125,20 @@ def layer_pages(layout: KVLayout | None, layer: jax.Array | int,
                                     slot_mapping=md.slot_mapping[group])
 
 
+def slot_mask(lora_slots: jax.Array, num_slots: int, rank: int, dtype) -> jax.Array:
+    """(T,) each row's slot -> (T, S * R): 1 on the row's slot's R rank columns, else 0."""
+    cols = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank
+    return (lora_slots[:, None] == cols[None, :]).astype(dtype)
+
+
+def lora_update(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array) -> jax.Array:
+    """Each row's low-rank update, its own slot's: x (T, Din), a (Din, S, R), b (S, R, Dout),
+    mask (T, S * R) from slot_mask -> (T, Dout)."""
+    din, s, r = a.shape
+    xa = (x @ a.reshape(din, s * r)) * mask  # (T, S * R): other slots' columns zeroed
+    return xa @ b.reshape(s * r, -1)
+
+
 def apply_rope(x, cos, sin):  # x (T, heads, H); cos/sin (T, H/2)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -143,10 +160,12 @@ class DecoderLayer(nn.Module):
     kv_scales: tuple[float, float] = (1.0, 1.0)
 
     @nn.compact
-    def __call__(self, carry, cos, sin, md: AttentionMetadata, stacks: dict | None = None):
+    def __call__(self, carry, cos, sin, md: AttentionMetadata, stacks: dict | None = None,
+                 lora: tuple[dict, jax.Array] | None = None):
         """`stacks`: {name: every layer's weight, stacked} for projections read in place at
         this layer's index (LAYER_BLOCKS) instead of from this layer's params. `cos`, `sin`:
-        (T, H/2), or a pair (global, local) of them where local layers rotate apart."""
+        (T, H/2), or a pair (global, local) of them where local layers rotate apart. `lora`:
+        the adapter slots (LORA) and each row's slot mask (models/lora.py slot_mask)."""
         x, k_pages, v_pages, layer = carry  # x (T, D); pages (L, P, B, K, H); layer ()
         cfg, dt = self.cfg, self.dtype
 
@@ -164,7 +183,13 @@ class DecoderLayer(nn.Module):
         rows = md.query_start_loc[-1]
 
         def project(x, group, contract=1):
-            return self.project(x, group, contract, stacks, layer, rows)
+            ys = self.project(x, group, contract, stacks, layer, rows)
+            if lora is None:
+                return ys
+            slots, mask = lora  # after the base matmul, whichever computed it
+            return [y if name not in slots else y + lora_update(
+                x, slots[name]["a"][layer], slots[name]["b"][layer], mask
+            ).reshape(y.shape).astype(y.dtype) for (name, _), y in zip(group, ys, strict=True)]
 
         y = norm("input_norm")(x)
         q, k, v = project(y, (("wq", (d, n, h)), ("wk", (d, kh, h)), ("wv", (d, kh, h))))
@@ -414,6 +439,7 @@ class Transformer(nn.Module):
         v_pages: jax.Array,  # (L, P, B, K, H); with layer groups (R, P, B, K, H)
         md: AttentionMetadata,  # with layer groups: tables (G, S, MB), slots (G, T)
         logits_indices: jax.Array | None,  # (S,) int32: each seq's logits row (None: no logits)
+        lora_slots: jax.Array | None = None,  # (T,) int32: each row's LoRA slot (0: none)
     ) -> tuple[jax.Array, ...]:  # updated pages, logits (S, V) float32, final hidden (T, D)
         cfg, dt = self.cfg, self.dtype
         embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
@@ -435,6 +461,13 @@ class Transformer(nn.Module):
                 cos, sin = cos * factor, sin * factor
             return cos.astype(dt), sin.astype(dt)
 
+        lora = self.variables.get("params", {}).get(LORA)
+        if lora is not None and lora_slots is not None:  # each row's slot, as a mask
+            _, _, num_slots, rank = next(iter(lora.values()))["a"].shape
+            lora = (lora, slot_mask(lora_slots, num_slots, rank, dt))
+        else:
+            lora = None
+
         cos, sin = rope_table(False)
         if cfg.local_rope_theta is not None:  # local layers rotate with their own base
             (cos_l, sin_l) = rope_table(True)
@@ -447,18 +480,18 @@ class Transformer(nn.Module):
                 DecoderLayer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast,) * 4,
+                in_axes=(nn.broadcast,) * 5,
                 length=cfg.num_layers,
             )(cfg, dt, self.attn_fn, self.block_matmul, self.experts_fn, self.kv_layout,
               self.kv_scales, name="layers")
             (x, k_pages, v_pages, _), _ = layers((x, k_pages, v_pages, jnp.int32(0)), cos, sin,
-                                                 md, stacks)
+                                                 md, stacks, lora)
         else:  # the layer index is a Python int: static slices of the pool, no dynamic ones
             carry = (x, k_pages, v_pages, 0)
             for i in range(cfg.num_layers):
                 carry, _ = DecoderLayer(cfg, dt, self.attn_fn, self.block_matmul,
                                          self.experts_fn, self.kv_layout, self.kv_scales,
-                                         name=f"layers_{i}")(carry, cos, sin, md)
+                                         name=f"layers_{i}")(carry, cos, sin, md, None, lora)
             x, k_pages, v_pages, _ = carry
 
         # Every row is normalized (a (T, D) elementwise op): prompt logprobs read them all.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve import EngineConfig, LLMEngine
+from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.config import _pow2_range
 
 
@@ -34,3 +34,38 @@ def run_all(engine: LLMEngine, step=None) -> dict[str, object]:
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+def check_lora_mix(hf_model, adapter_dir, prompt_ids: list[list[int]], n: int, tol: float,
+                   b_std: float, loaded=None, **engine_args) -> LLMEngine:
+    """Every prompt under the base model and under each of three PEFT adapters
+    (oracle.LORA_CONFIGS, their B random with `b_std`), all in one batch: greedy tokens equal
+    HF + PEFT's and their logprobs within `tol`; each adapter changes some prompt's tokens and
+    no KV block is left in use. Returns the engine."""
+    from jaxserve.core.lora import LoRARequest
+    from jaxserve.testing.oracle import LORA_CONFIGS, make_peft_adapter, peft_greedy
+
+    adapters = {f"a{i}": make_peft_adapter(hf_model, str(adapter_dir / f"a{i}"), seed=i,
+                                           b_std=b_std, **conf)
+                for i, conf in enumerate(LORA_CONFIGS, 1)}
+    choices = [None] + [LoRARequest(name, i, path)
+                        for i, (name, path) in enumerate(adapters.items(), 1)]
+    engine = LLMEngine(EngineConfig(**(dict(enable_lora=True, max_loras=3, max_lora_rank=16,
+                                            max_logprobs=1) | engine_args)), loaded=loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+    runs = [(ids, lora) for ids in prompt_ids for lora in choices]
+    for i, (ids, lora) in enumerate(runs):
+        engine.add_request(f"r{i}", prompt_token_ids=ids, params=params, lora_request=lora)
+    done = run_all(engine)
+    want = peft_greedy(hf_model, adapters, [(ids, lora and lora.lora_name)
+                                            for ids, lora in runs], n)
+    for i, (tokens, logprobs) in enumerate(want):
+        got = done[f"r{i}"].outputs[0]
+        assert got.token_ids == tokens, f"run {i} (adapter {runs[i][1]})"
+        for j, entry in enumerate(got.logprobs):
+            assert abs(entry["logprob"] - logprobs[j]) < tol, (i, j)
+    for a in range(1, len(choices)):  # each adapter changes the tokens of some prompt
+        assert any(want[p * len(choices) + a][0] != want[p * len(choices)][0]
+                   for p in range(len(prompt_ids))), f"adapter {a} changes nothing"
+    assert engine.block_manager.num_used_blocks == 0
+    return engine

@@ -196,3 +196,12 @@ def test_kv_cache_dtype_takes_vllms_fp8_spellings_and_positive_scales():
     for name, bad in (("k_scale", 0.0), ("v_scale", -1.0), ("k_scale", float("inf"))):
         with pytest.raises(ValueError, match=name):
             EngineConfig(**{name: bad})
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_loras=0), "max_loras"), (dict(max_lora_rank=0), "max_lora_rank"),
+    (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
+])
+def test_lora_options_are_checked(kw, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(enable_lora=True, **kw)

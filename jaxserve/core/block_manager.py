@@ -326,7 +326,7 @@ class BlockManager:
         if known < num_blocks:  # only the new blocks' tokens are read
             bs = self.block_size
             extend_hashes(seq.block_hashes, seq.tokens(known * bs, num_blocks * bs), bs,
-                          seq.cache_salt, known)
+                          seq.cache_salt, known, seq.lora_key)
         return seq.block_hashes
 
     # ---------------------------------------------------------------------------- integrity

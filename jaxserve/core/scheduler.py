@@ -42,6 +42,7 @@ from collections.abc import Callable
 from operator import attrgetter
 
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.lora import LoRASlots, SlotLoad
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.core.speculative import Speculator
 from jaxserve.core.swap_space import SwapSpace
@@ -189,6 +190,8 @@ class SchedulerOutput:
     # Decode steps the step runs in one call of the program (every sequence decodes; each
     # takes up to its num_steps of them); 1: a plain step.
     decode_steps: int = 1
+    # LoRA adapters to write into their device slots before the step (core/lora.py)
+    lora_loads: list[SlotLoad] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -203,8 +206,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  swap_space: SwapSpace | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, lora_slots: LoRASlots | None = None):
         self.config = config
+        # the device's LoRA slots (None: no adapters); a sequence holds its adapter's slot
+        # while admitted, and one whose adapter finds no slot free waits
+        self.lora_slots = lora_slots
         self.speculator = speculator  # speculative decoding's proposals (None: off)
         self.block_manager = block_manager
         self.swap_space = swap_space
@@ -260,7 +266,7 @@ class Scheduler:
         if cfg.policy is SchedulingPolicy.PRIORITY:
             self._preempt_for_priority(now, budget, out)
         elif cfg.policy is SchedulingPolicy.STATIC and not self.running and not self.swapped:
-            self._admit_static_batch(now)
+            self._admit_static_batch(now, out)
         num_priority_preemptions = len(out.preempted)
 
         if bm.window is not None:  # pages no query of this step sees go back first
@@ -349,6 +355,8 @@ class Scheduler:
             # a held prompt leaves each running sequence a block for its next token
             if n == 0 or need > bm.num_free_blocks - (len(self.running) if held else 0):
                 break  # head-of-line: later arrivals do not jump the queue
+            if seq.lora_id and not self._take_lora_slot(seq, out):
+                continue  # every slot runs another adapter: it waits, the others go on
             if fresh:
                 bm.take_prefix(seq, cached, seq.num_tokens)
                 if loaded:
@@ -497,16 +505,35 @@ class Scheduler:
         else:
             out.copies.append(KVCopy(to_host, list(device_ids), list(host_ids)))
 
-    def _admit_static_batch(self, now: float) -> None:
+    def _admit_static_batch(self, now: float, out: SchedulerOutput) -> None:
         """Static batching: the next max_num_seqs requests form a batch at once, whatever this
         step's token budget; their prompts are then prefilled (in chunks) like any other."""
         self._sort(self.waiting, now)
-        batch = self.waiting[:self.config.max_num_seqs]
-        del self.waiting[:len(batch)]
+        batch = []
+        for seq in self.waiting:
+            if len(batch) == self.config.max_num_seqs:
+                break
+            if not seq.lora_id or self._take_lora_slot(seq, out, batch):
+                batch.append(seq)
+        self.waiting = [s for s in self.waiting if s not in batch]
         for seq in batch:
             seq.status = SequenceStatus.RUNNING
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
         self.running.extend(batch)
+
+    def _take_lora_slot(self, seq: Sequence, out: SchedulerOutput,
+                        admitting: list[Sequence] = ()) -> bool:
+        """Give `seq` its adapter's device slot (recording the weights to write there when
+        the slot is new to it); False when every slot holds an adapter an admitted sequence
+        (or one of `admitting`) runs."""
+        in_use = {s.lora_id for s in itertools.chain(self.running, self.held, admitting)}
+        got = self.lora_slots.acquire(seq.lora_id, in_use)
+        if got is None:
+            return False
+        seq.lora_slot, load = got
+        if load:
+            out.lora_loads.append(SlotLoad(seq.lora_slot, seq.lora_id))
+        return True
 
     def _admission_order(self, now: float) -> list[Sequence]:
         """Who may enter the running set next, best first."""

@@ -34,7 +34,7 @@ class Sequence:
                  "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
                  "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next",
                  "stop_ids", "samples_plainly", "needs_history", "pooling", "pooled",
-                 "group_tables", "num_dropped")
+                 "group_tables", "num_dropped", "lora_id", "lora_key", "lora_slot")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -72,6 +72,11 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.cache_salt = cache_salt
+        # Its LoRA adapter (core/lora.py): the engine's id for it (0: none), what names its
+        # weights (the prefix cache's namespace) and its device slot while admitted.
+        self.lora_id = 0
+        self.lora_key: str | None = None
+        self.lora_slot = 0
         # The host side of its logit processing (engine/logits_state.py), or None.
         self.logits_state = None
         # The token ids that end it (SamplingParams.stop_ids, set by the engine, which knows

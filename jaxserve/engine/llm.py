@@ -10,6 +10,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import data_parallel
@@ -54,8 +55,11 @@ class LLM:
         prompts: str | list[int] | Seq[str] | Seq[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Returns one finished RequestOutput per prompt, in input order."""
+        """Returns one finished RequestOutput per prompt, in input order. `lora_request`: the
+        LoRA adapter every prompt runs under, or one per prompt (None: the base model); the
+        engine needs enable_lora."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -68,9 +72,15 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                              f"{len(prompts)} prompts")
-        pairs = list(zip(prompts, sampling_params, strict=True))
-        return self._run_all(pairs, lambda engine, rid, text, ids, params: engine.add_request(
-            rid, text, params, prompt_token_ids=ids), "generate", use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request has {len(lora_request)} entries for "
+                             f"{len(prompts)} prompts")
+        pairs = list(zip(prompts, zip(sampling_params, lora_request, strict=True), strict=True))
+        return self._run_all(pairs, lambda engine, rid, text, ids, args: engine.add_request(
+            rid, text, args[0], prompt_token_ids=ids, lora_request=args[1]), "generate",
+            use_tqdm)
 
     def embed(self, prompts: str | list[int] | Seq[str] | Seq[list[int]],
               pooling: str | None = None, normalize: bool = True,

@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.config import POOLINGS, EngineConfig, Role
 from jaxserve.core.block_hash import check_salt
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.lora import LoRARequest, LoRASlots
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams, fold_seed
 from jaxserve.core.scheduler import (
@@ -43,6 +44,7 @@ from jaxserve.core.swap_space import SwapSpace
 from jaxserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from jaxserve.engine.handover import Handover
 from jaxserve.engine.logits_state import LogitsState
+from jaxserve.engine.lora import LoRARegistry
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
@@ -160,7 +162,12 @@ class LLMEngine:
             config.scheduler_config(self.runner.buckets[0] if platform == "cpu" else ()),
             self.block_manager,
             SwapSpace(self.runner.num_host_blocks) if self.runner.num_host_blocks else None,
-            speculator=self.speculator)
+            speculator=self.speculator,
+            lora_slots=LoRASlots(config.max_loras) if config.enable_lora else None)
+        # LoRA adapters known to the engine and their host copies (engine/lora.py)
+        self.loras = (LoRARegistry(self.model_config, config.max_lora_rank,
+                                   config.max_cpu_loras or config.max_loras)
+                      if config.enable_lora else None)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -188,6 +195,8 @@ class LLMEngine:
         # first token comes back, so no later step may have been launched for it
         self.handover = (Handover(self, config.handover_host) if config.role is not Role.BOTH
                          else None)
+        # every step's rows carry their LoRA slots (a stand-in runner serves none)
+        self._lora_rows = getattr(self.runner, "lora_enabled", False)
         if config.role is Role.PREFILL:
             self.async_scheduling = False
         if self.async_scheduling and self.speculator is not None:
@@ -209,9 +218,12 @@ class LLMEngine:
                     params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    pooling: str | None = None) -> None:
+                    pooling: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. A bad field raises ValueError naming it; nothing else is touched.
         `pooling`: an embedding request instead (add_embedding_request; `params` unused).
+        `lora_request`: the LoRA adapter it runs under (enable_lora), read and checked here
+        the first time one names it (a bad adapter raises ValueError naming the field).
 
         Given both, `prompt_token_ids` is what runs and `prompt` is the text it came from (a
         front that tokenized the prompt already passes both). `cache_salt`: prefix-cache
@@ -226,7 +238,7 @@ class LLMEngine:
                 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
                                         output_kind="final_only")
             seqs = self._add_request(request_id, prompt, params, prompt_token_ids, priority,
-                                     arrival_time, cache_salt)
+                                     arrival_time, cache_salt, lora_request=lora_request)
         except (ValueError, QueueFullError):
             self.metrics.record_rejection()
             raise
@@ -261,7 +273,8 @@ class LLMEngine:
                 seq.pooled = seq.pooled + result.pooled.sums[i]
 
     def _add_request(self, request_id, prompt, params, prompt_token_ids, priority, arrival_time,
-                     cache_salt, admit: bool = True) -> list[Sequence]:
+                     cache_salt, admit: bool = True,
+                     lora_request: LoRARequest | None = None) -> list[Sequence]:
         """Validate and build the request's sequences; `admit`: queue them for scheduling
         (else the caller places them: engine/handover.py)."""
         params = params if params is not None else SamplingParams()
@@ -276,6 +289,12 @@ class LLMEngine:
             raise ValueError(f"priority must be an int, got {priority!r}")
         check_salt(cache_salt)
         ids = self.prompt_ids(prompt, prompt_token_ids)
+        adapter = None
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError("lora_request: this engine serves no adapters (enable_lora "
+                                 "is off)")
+            adapter = self.loras.add(lora_request)
         if params.max_tokens is None:  # the rest of the context, as far as the pool holds it
             held = self.block_manager.most_tokens_held(self.config.max_num_batched_tokens)
             room = min(self.config.max_model_len,
@@ -303,6 +322,8 @@ class LLMEngine:
             seq = Sequence(request_id if n == 1 else f"{request_id}#{i}", ids, child,
                            self._arrivals, seed, priority, arrival_time, cache_salt)
             seq.stop_ids = child.stop_ids(self.eos_token_ids)
+            if adapter is not None:  # its prefix blocks are named under its weights'
+                seq.lora_id, seq.lora_key = lora_request.lora_int_id, adapter.digest
             if child.processes_logits:  # built once; the other samples share its parts
                 seq.logits_state = (self._logits_state(child, ids) if i == 0 else
                                     seqs[0].logits_state.sibling(self._matcher(child)))
@@ -325,6 +346,47 @@ class LLMEngine:
             if admit:
                 self.scheduler.add(seq)
         return seqs
+
+    # ------------------------------------------------------------------------------- adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests (ValueError naming the field)."""
+        if self.loras is None:
+            raise ValueError("lora_request: this engine serves no adapters (enable_lora is "
+                             "off)")
+        self.loras.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` and free its device slot; False if unknown. Refused
+        (ValueError) while an unfinished request runs it: its rows would lose their weights."""
+        if self.loras is None:
+            return False
+        if any(s.lora_id == lora_id for s in self.requests.values()):
+            raise ValueError(f"lora_int_id: adapter {lora_id} is in use by unfinished "
+                             f"requests")
+        self.scheduler.lora_slots.release(lora_id)
+        return self.loras.remove(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters known to the engine, by id."""
+        return [] if self.loras is None else [self.loras.requests[i]
+                                              for i in sorted(self.loras.requests)]
+
+    def _load_loras(self, sched: SchedulerOutput) -> None:
+        """Write the adapters the schedule placed in new slots there. One whose files can no
+        longer be read fails its requests, which leave the step."""
+        for load in sched.lora_loads:
+            try:
+                adapter = self.loras.adapter(self.loras.requests[load.lora_id])
+            except ValueError as e:
+                self.scheduler.lora_slots.release(load.lora_id)
+                for s in sched.scheduled:
+                    if s.seq.lora_id == load.lora_id:
+                        self.fail(s.seq.request_id, f"its LoRA adapter failed to load: {e}")
+                sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
+                continue
+            self.runner.load_lora(load.slot, adapter)
 
     def _logits_state(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsState:
         """Check the fields that need the vocabulary and build the request's host state for
@@ -558,6 +620,8 @@ class LLMEngine:
         with jax.profiler.TraceAnnotation("jaxserve.schedule"):
             sched = self.scheduler.schedule()
             self.run_copies(sched.copies)
+            if sched.lora_loads:
+                self._load_loras(sched)
         if sched.is_empty:
             return None
         with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
@@ -569,7 +633,7 @@ class LLMEngine:
                                         self.config.spec_tokens, self._tables,
                                         self.runner.plain_programs, sched.decode_steps,
                                         self.config.max_num_seqs,
-                                        self.block_manager.num_groups)
+                                        self.block_manager.num_groups, self._lora_rows)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step
@@ -607,7 +671,8 @@ class LLMEngine:
                 build_step_inputs([s], self.runner.buckets, self.config.block_size,
                                   self.runner.num_blocks, self.runner.logits_shape,
                                   {s.seq.request_id: 0}, self.config.spec_tokens,
-                                  num_groups=self.block_manager.num_groups)
+                                  num_groups=self.block_manager.num_groups,
+                                  lora=self._lora_rows)
             except Exception as e:  # noqa: BLE001
                 culprits.append((s, e))
         for s, e in culprits or [(s, error) for s in scheduled]:

@@ -35,11 +35,12 @@ from jaxserve.kernels.attention.base import AttentionBackend, is_fp8, platform_o
 from jaxserve.kernels.attention.choose import choose_attention
 from jaxserve.kernels.attention.selftest import describe_error
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
-from jaxserve.models import layer_stack
+from jaxserve.models import layer_stack, lora
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import (
     HEAD_BLOCKS,
     LAYER_BLOCKS,
+    LORA,
     Transformer,
     fuse_projections,
     head_blocks,
@@ -452,6 +453,14 @@ class ModelRunner:
             rep = sharding.named(self.mesh, sharding.P())
             self._jit_kw = {"in_shardings": ((param_sharding,), (kv_sharding,), rep, rep),
                             "out_shardings": ((kv_sharding,), rep, rep)}
+        self.lora_enabled = config.enable_lora
+        if self.lora_enabled:
+            self._check_lora(config, mc, deviceless)
+            # slot 0 (no adapter) and max_loras slots, each written in place (load_lora)
+            params[LORA] = lora.empty_slots(mc, lora.supported_modules(mc),
+                                            config.max_loras + 1, config.max_lora_rank,
+                                            self.dtype)
+            self._write_lora = jax.jit(lora.write_slot, donate_argnums=(0,))
         # deviceless: shapes alone, on the compile-only devices
         self.params = (abstract(params, param_sharding) if deviceless else
                        replace_leaves(params, placed, param_sharding) if stacks is None else
@@ -706,6 +715,29 @@ class ModelRunner:
                 f"target's tokenizer")
         return draft.config
 
+    @staticmethod
+    def _check_lora(config: EngineConfig, mc: ModelConfig, deviceless: bool) -> None:
+        """Raise ValueError where enable_lora meets what its slots do not serve yet."""
+        why = ("tensor_parallel_size and expert_parallel_size 1"
+               if config.tensor_parallel_size * config.expert_parallel_size > 1 else
+               "one process" if jax.process_count() > 1 else
+               "a runner with devices" if deviceless else
+               f"role={Role.BOTH.value}" if config.role is not Role.BOTH else None)
+        if why is not None:
+            raise ValueError(f"enable_lora: adapters are served with {why} only")
+
+    def load_lora(self, slot: int, adapter: lora.LoRAAdapter) -> None:
+        """Write `adapter`'s weights into device slot `slot` (1..max_loras), in place. A step
+        already launched reads the slots before this write, which follows it on the device."""
+        if not 1 <= slot <= self.config.max_loras:
+            raise ValueError(f"slot {slot} is not one of 1..{self.config.max_loras}")
+        self._put_lora(slot, lora.slot_values(adapter, self.params[LORA], self.dtype))
+
+    def _put_lora(self, slot: int, values: dict) -> None:
+        values = jax.device_put(values, self._replicated)
+        slots = self._write_lora(self.params[LORA], jnp.int32(slot), values)
+        self.params = {**self.params, LORA: slots}
+
     @property
     def pools(self) -> tuple[KVCache, ...]:
         """The device KV pools: the target's, then the draft model's if there is one."""
@@ -737,7 +769,7 @@ class ModelRunner:
         if inp.decode is not None:  # several decode steps (runtime/decode_loop.py)
             kv, out = decode_loop.run(
                 functools.partial(self._decode_step, params, inp.logits_indices, max_logprobs,
-                                  inp.plain),
+                                  inp.plain, inp.lora_slots),
                 kv, ids, inp.attn, inp.sampling, inp.processing, inp.logits_indices, inp.decode,
                 max_logprobs, self.logits_shape.vocab_size,
                 early_exit=not self.plain_programs)  # (a condition to read back, as a branch)
@@ -762,7 +794,8 @@ class ModelRunner:
             # (with speculation the head runs below, over the rows each step needs)
             k, v, logits, hidden = self.model.apply({"params": params}, ids, kv.k, kv.v,
                                                     inp.attn,
-                                                    None if spec_k else inp.logits_indices)
+                                                    None if spec_k else inp.logits_indices,
+                                                    inp.lora_slots)
             pools = (KVCache(k, v), *pools[1:])
         def head_logits(x):
             # Under TP: computed split by vocabulary, then gathered once (left split, the
@@ -805,12 +838,14 @@ class ModelRunner:
                       raw_logits=logits)
 
     def _decode_step(self, params, logits_indices: jax.Array, max_logprobs: int, plain: bool,
-                     kv: KVCache, ids: jax.Array, md, si, li) -> tuple[KVCache, SamplerOutput]:
+                     lora_slots: jax.Array | None, kv: KVCache, ids: jax.Array, md, si,
+                     li) -> tuple[KVCache, SamplerOutput]:
         """One decode step of the loop (runtime/decode_loop.py's StepFn): the forward, then
-        the sampler, as a single step runs them (`plain`: StepInputs.plain)."""
+        the sampler, as a single step runs them (`plain`: StepInputs.plain; `lora_slots`:
+        StepInputs')."""
         with jax.named_scope("forward"):
             k, v, logits, _ = self.model.apply({"params": params}, ids, kv.k, kv.v, md,
-                                               logits_indices)
+                                               logits_indices, lora_slots)
         if self.mesh is not None:
             logits = sharding.gather_once(logits, self.mesh)
         with jax.named_scope("sample"):
@@ -880,7 +915,7 @@ class ModelRunner:
         return dummy_step_inputs(program.tokens, program.seqs, program.blocks, self.block_size,
                                  num_blocks or self.num_blocks, self.logits_shape,
                                  program.spec_k, program.plain, program.decode_steps,
-                                 self.kv_layout.num_groups)
+                                 self.kv_layout.num_groups, self.lora_enabled)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         inputs = self._dummy_inputs(program)
@@ -952,6 +987,8 @@ class ModelRunner:
         self.compile_seconds += time.perf_counter() - t0
         if self.host_pool is not None:
             self.pools = self.host_pool.warmup(self.pools)
+        if self.lora_enabled:  # the slot writer compiles now: slot 0 (none) stays zeros
+            self._put_lora(0, lora.slot_values(None, self.params[LORA], self.dtype))
         self.is_warm = True
         dt = time.perf_counter() - t0
         logger.info("warmup: %d programs in %.1fs (%d loaded whole from the executable cache)",

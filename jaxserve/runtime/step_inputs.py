@@ -49,6 +49,9 @@ class StepInputs:
     spec: SpecInputs  # proposed tokens to verify (runtime/speculative.py); K = 0 without
     # several decode steps in one call (runtime/decode_loop.py); None: one step
     decode: DecodeLoopInputs | None = None
+    # (T,) int32: each row's LoRA slot (0: the base model; models/lora.py); None: the runner
+    # serves no adapters
+    lora_slots: np.ndarray | None = None
     # Static: every row is greedy or samples from the temperature alone, and nothing else is
     # asked (logprobs, logit processing, min_p, prompt logprobs, proposals): its program has no
     # runtime branches, each of which on a GPU waits for the device (plain_programs).
@@ -90,6 +93,7 @@ def build_step_inputs(
     decode_steps: int = 1,
     slots: int | None = None,
     num_groups: int = 1,
+    lora: bool = False,
 ) -> StepInputs:
     """`prev_rows`: request id -> its row in the step still in flight, for sequences whose
     input token that step is sampling (asynchronous scheduling). `spec_k`: the most tokens a
@@ -98,7 +102,8 @@ def build_step_inputs(
     the runner has plain programs (a step that qualifies gets `plain`). `decode_steps`: the
     step's decode steps (SchedulerOutput.decode_steps). `slots`: the decode slots (see
     seq_bucket). `num_groups`: the pool's layer groups (core/kv_layout.py): past one, the
-    block tables are (G, S, MB) and the slots (G, T), a table and a slot per group."""
+    block tables are (G, S, MB) and the slots (G, T), a table and a slot per group. `lora`:
+    the runner serves adapters, so each row carries its sequence's LoRA slot."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     # This runs on the host every step while the device waits: one Python pass over the
@@ -178,6 +183,11 @@ def build_step_inputs(
     slot_mapping[..., :num_tokens] = (block_tables[..., seq_of_row, pos // block_size]
                                       * block_size + pos % block_size)
     input_ids[:num_tokens] = ids
+    lora_slots = None
+    if lora:
+        lora_slots = np.zeros(t_pad, np.int32)
+        lora_slots[:num_tokens] = np.repeat(
+            np.array([s.seq.lora_slot for s in scheduled], np.int32), ns)
     from_prev = np.full(t_pad, -1, np.int32)
     for i, prev in pending:
         from_prev[qsl[i]] = prev
@@ -222,6 +232,7 @@ def build_step_inputs(
         plain=plain,
         decode=(decode_loop.build(scheduled, s_pad, decode_steps) if decode_steps > 1
                 else None),
+        lora_slots=lora_slots,
     )
 
 
@@ -244,7 +255,7 @@ def _all_allowed(s: int, k: int, mask_words: int) -> np.ndarray:
 def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
                       logits_shape: LogitsShape, spec_k: int = 0,
                       plain: bool = False, decode_steps: int = 1,
-                      num_groups: int = 1) -> StepInputs:
+                      num_groups: int = 1, lora: bool = False) -> StepInputs:
     """Shape-only stand-in for compiling a program at warmup (all rows are padding)."""
     i32 = lambda n: np.zeros(n, np.int32)
     grouped = (num_groups,) if num_groups > 1 else ()
@@ -267,4 +278,5 @@ def dummy_step_inputs(t: int, s: int, mb: int, block_size: int, num_blocks: int,
         spec=empty_spec_inputs(s, spec_k, logits_shape.mask_words),
         plain=plain,
         decode=(decode_loop.build([], s, decode_steps) if decode_steps > 1 else None),
+        lora_slots=i32(t) if lora else None,
     )

@@ -81,3 +81,71 @@ def make_tiny_hf_model(arch: str, path: str, seed: int = 0, **overrides):
     model.save_pretrained(path, max_shard_size="300KB" if "moe" in arch or arch == "mixtral"
                           else "5GB")
     return model
+
+
+def make_peft_adapter(model, path: str, seed: int = 0, b_std: float = 0.1, **lora_config):
+    """Write a PEFT LoRA adapter for HF `model` into `path` (`lora_config`: LoraConfig's
+    fields): made with get_peft_model, its B set to random values (PEFT starts B at zero,
+    an adapter that changes nothing), saved with save_pretrained; `model` is left as it was."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(**lora_config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:  # A as well: PEFT's own draw is torch's global one
+                p.copy_(torch.randn(p.shape, generator=gen) * (b_std if "lora_B" in name
+                                                                else p.shape[-1] ** -0.5))
+    peft_model.save_pretrained(path)
+    peft_model.unload()  # the base model's own modules back in place
+    return path
+
+
+# Three adapters of different ranks and targets (LoraConfig's fields): the LoRA oracle tests'
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_CONFIGS = (
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    dict(r=8, lora_alpha=16, use_rslora=True,
+         target_modules=ATTENTION + ["gate_proj", "up_proj", "down_proj"]),
+    dict(r=16, lora_alpha=16, target_modules=["o_proj", "down_proj"],
+         rank_pattern={"down_proj": 8}, alpha_pattern={"o_proj": 8}),
+)
+
+
+def peft_greedy(model, adapters: dict[str, str], runs: list[tuple[list[int], str | None]],
+                n: int) -> list[tuple[list[int], list[float]]]:
+    """HF + PEFT's greedy run of each (prompt ids, adapter name or None: the base model) in
+    `runs`, with `adapters` {name: directory} loaded by PeftModel.from_pretrained: (n token
+    ids, the log-probability of each). `model` is left as it was."""
+    import torch
+    from peft import PeftModel
+
+    names = list(adapters)
+    pm = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
+    try:
+        for name in names[1:]:
+            pm.load_adapter(adapters[name], adapter_name=name)
+        out = []
+        for ids, name in runs:
+            with torch.no_grad():
+                if name is None:
+                    with pm.disable_adapter():
+                        out.append(_greedy(pm, ids, n))
+                else:
+                    pm.set_adapter(name)
+                    out.append(_greedy(pm, ids, n))
+        return out
+    finally:
+        pm.unload()
+
+
+def _greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    import torch
+
+    got = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
+    logits = model(input_ids=torch.tensor([got])).logits[0, len(ids) - 1:-1].float()
+    new = got[len(ids):]
+    lps = torch.log_softmax(logits, -1)[torch.arange(n), torch.tensor(new)]
+    return new, lps.tolist()

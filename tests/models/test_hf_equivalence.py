@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from tests.helpers import buckets_from_8
+from tests.helpers import buckets_from_8, check_lora_mix
 
 PROMPTS = [
     "The capital of France is",
@@ -119,3 +119,15 @@ def test_smollm_matches_hf_with_prefix_caching(smollm, hf_smollm, pool, budget, 
     for i, prompt_ids in enumerate(ids):
         want = hf_greedy(hf_smollm, prompt_ids, NEW_TOKENS)
         assert got[f"r{i}"] == want, f"prompt {i} ({PROMPTS[i]!r}) differs from HF"
+
+
+@pytest.mark.slow
+def test_smollm_lora_adapters_match_hf_peft(smollm, hf_smollm, tmp_path):
+    """Three PEFT adapters of different ranks and targets (r 4 on q, v; r 8 on every
+    projection with rsLoRA; r 16 and 8 on o, down by rank_pattern and alpha_pattern) and the
+    base model, mixed in one batch, over the GGUF's block matmul: tokens equal HF + PEFT's on
+    the dequantized weights, logprobs within 2e-2 (the float16 pool, HF's float32)."""
+    ids = [smollm.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    check_lora_mix(hf_smollm, tmp_path, ids, 8, 2e-2, 0.15, loaded=smollm,
+                   max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                   num_kv_blocks=64, token_buckets=(8, 64))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from tests.helpers import run_all
+from tests.helpers import check_lora_mix, run_all
 from tests.models.test_hf_equivalence import NEW_TOKENS, hf_greedy, run_staggered
 
 
@@ -70,3 +70,15 @@ def test_tiny_models_logprobs_match_hf_under_chunking_and_preemption(arch, tiny_
             for token, lp in entry["top"].items():
                 assert abs(lp - float(want[j, token])) < 2e-4, (i, j, token)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_tiny_qwen3_lora_adapters_match_hf_peft(tiny_models, tmp_path):
+    """Three PEFT adapters of different ranks and targets and the base model, mixed in one
+    batch (tests/helpers.py check_lora_mix): tokens equal HF + PEFT's, logprobs within 2e-4
+    (a float32 pool, as above)."""
+    path, hf_model = tiny_models["qwen3"]
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(3, 1000, size=int(n)).tolist() for n in (9, 23, 40)]
+    check_lora_mix(hf_model, tmp_path, ids, 8, 2e-4, 0.1, model=path, max_num_seqs=12,
+                   max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=64,
+                   kv_cache_dtype="float32", token_buckets=(16, 64), block_buckets=(8,))
