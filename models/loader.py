@@ -56,6 +56,9 @@ class LoadedModel:
     params: dict[str, Any]  # the Flax param tree: float32 numpy, quantized dicts (quant.py)
     tokenizer: Any | None  # a transformers tokenizer, or None when the model ships none
     path: str
+    # gives the pages of these params' arrays back where they are views of a mapped file
+    # (once placed on the devices: a view read again faults its pages back in)
+    release: Callable[[list], None] | None = None
 
 
 def default_model_path() -> str:
@@ -136,7 +139,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
         tensors = fp8.assemble(tensors, scheme)
     tensors = moe.canonical_expert_names(cfg, split_fused(cfg, tensors))
     cfg, params = hf_to_params(cfg, tensors, release=mapped.drop, lazy=True)
-    return LoadedModel(cfg, params, load_tokenizer(path), path)
+    return LoadedModel(cfg, params, load_tokenizer(path), path, mapped.drop)
 
 
 # safetensors dtype -> numpy's (ml_dtypes' for bfloat16 and FP8)
@@ -183,8 +186,11 @@ class MappedTensors:
             self.tensors[name] = view
 
     def drop(self, arrays) -> None:
-        """Let the kernel take back the pages of these views (those copied out already)."""
+        """Let the kernel take back the pages of these views (those copied out already), or
+        of the views they are views of (a transposed head)."""
         for a in arrays:
+            while isinstance(a, np.ndarray) and id(a) not in self._where:
+                a = a.base
             where = self._where.pop(id(a), None)
             if where is not None:
                 whole, lo, hi = where

@@ -379,8 +379,12 @@ class ModelRunner:
 
         def placed(a, where):
             """A leaf cast and put on its devices in one go: the loader's (mapped) array frees
-            before the next is cast, so no second copy of the model builds up on the host."""
-            return put_waiting(serving(a), where)
+            before the next is cast, so no second copy of the model builds up on the host;
+            a mapped file's pages are given back once copied."""
+            out = put_waiting(serving(a), where)
+            if loaded.release is not None:
+                loaded.release([a])
+            return out
 
         def as_step_params(cfg, p, cast=True):
             """The loader's tree in the step's layout: floats in the serving dtype (`cast`;
@@ -464,7 +468,7 @@ class ModelRunner:
         # deviceless: shapes alone, on the compile-only devices
         self.params = (abstract(params, param_sharding) if deviceless else
                        replace_leaves(params, placed, param_sharding) if stacks is None else
-                       self._place_layers(params, stacks, param_sharding, scan, serving,
+                       self._place_layers(params, stacks, param_sharding, scan, placed, serving,
                                           lambda p: step_form(one, p)[1]))
         if self.draft_config is not None:
             self.draft_params = replace_leaves(as_step_params(
@@ -642,21 +646,21 @@ class ModelRunner:
                 executable_cache.abstract(self._last_tokens)]),
             list(self.mesh.devices.flat) if self.mesh is not None else self.devices[:1])
 
-    def _place_layers(self, first: dict, stacks: dict, where, scan: bool, serving,
+    def _place_layers(self, first: dict, stacks: dict, where, scan: bool, placed, serving,
                       step_form) -> dict:
         """The step's params on their devices from `first` (the rest and layer 0 in the step's
         layout, on the host) and the loader's LayerStacks, a layer at a time: `step_form`
         converts each further layer, and its mapped pages are given back once it is placed.
         Scanned, each stack is allocated on the devices and written slot by slot. `where`:
-        the params' shardings (a tree, or one for all); `serving`: a leaf in its dtype."""
+        the params' shardings (a tree, or one for all); `placed(leaf, sharding)` places one;
+        `serving`: a leaf in its dtype."""
         num_layers = len(jax.tree.leaves(stacks)[0])
         keys = layer_keys(scan)
         at = lambda k: where[k] if isinstance(where, dict) else where
         on = lambda fn, k, *trees: (jax.tree.map(fn, *trees, at(k)) if isinstance(where, dict)
                                     else jax.tree.map(lambda *a: fn(*a, where), *trees))
         out = {k: first.pop(k) for k in list(first) if k not in keys}  # taken: freed as placed
-        replace_leaves(out, lambda a, s: put_waiting(serving(a), s),
-                       {k: at(k) for k in out})
+        replace_leaves(out, placed, {k: at(k) for k in out})
         for i in range(num_layers):
             layer = ({k: first.pop(k) for k in keys if k in first} if i == 0 else
                      step_form({"layers": layer_stack.layer_of(stacks, i)}))
