@@ -61,12 +61,14 @@ def percentile(xs: list[float], q: float) -> float:
 
 def run(client, model: str, prompts: list[str], max_tokens: int | list[int],
         concurrency: int, extra: dict):
-    """`max_tokens`: one for all, or one per prompt."""
+    """`max_tokens`: one for all, or one per prompt. `model`: one id, or several comma
+    separated, which the requests take in turn."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    models = itertools.islice(itertools.cycle(model.split(",")), len(prompts))
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p, m: one_request(client, model, p, m, extra),
-                                prompts, limits))
+        results = list(pool.map(lambda p, m, name: one_request(client, name, p, m, extra),
+                                prompts, limits, models))
     return time.perf_counter() - t0, results
 
 
@@ -97,7 +99,9 @@ def main() -> None:
                     help="a server's /v1 address; repeat to compare servers "
                          "(default: http://127.0.0.1:8000/v1)")
     ap.add_argument("--api-key", default="none")
-    ap.add_argument("--model", default=None, help="model id (default: the first /v1/models lists)")
+    ap.add_argument("--model", default=None,
+                    help="model id (default: the first /v1/models lists); several, comma "
+                         "separated (LoRA adapters, say): the requests take them in turn")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32])
     ap.add_argument("--max-tokens", type=int, default=64)
