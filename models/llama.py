@@ -126,8 +126,9 @@ def layer_pages(layout: KVLayout | None, layer: jax.Array | int,
 
 
 def slot_mask(lora_slots: jax.Array, num_slots: int, rank: int, dtype) -> jax.Array:
-    """(T,) each row's slot -> (T, S * R): 1 on the row's slot's R rank columns, else 0."""
-    cols = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank
+    """(T,) each row's slot (0: none; s in 1..S at index s - 1 of the stacks) -> (T, S * R):
+    1 on the row's slot's R rank columns, else 0 (all 0 for slot 0)."""
+    cols = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank + 1
     return (lora_slots[:, None] == cols[None, :]).astype(dtype)
 
 

@@ -7,8 +7,9 @@ are `...layers.<i>.<self_attn|mlp>.<module>.lora_A.weight` (r, in) and `lora_B.w
 A module's output becomes W x + scaling * B A x, scaling = alpha / r (alpha / sqrt(r) with
 use_rslora). What the step does not compute that way is refused, naming the field.
 
-On the device every targeted projection has max_loras slots of A and B, padded to the largest
-rank R and laid out so that the slots concatenate along the rank axis: A (L, Din, S, R) and
+On the device every targeted projection has max_loras slots of A and B (slot s at index s - 1;
+slot 0, the base model, has none), padded to the largest rank R and laid out so that the
+slots concatenate along the rank axis: A (L, Din, S, R) and
 B (L, S, R, Dout) read as (Din, S * R) and (S * R, Dout) matrices. A row's update is then
 x @ A, masked to its slot's R columns, @ B: two plain matmuls for the whole mixed batch.
 """
@@ -219,7 +220,8 @@ def load_adapter(path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
 def empty_slots(cfg: ModelConfig, targets: tuple[str, ...], num_slots: int, rank: int,
                 dtype) -> dict[str, dict[str, np.ndarray]]:
     """Zeroed slots of every targeted param (`targets`: PEFT names): {param: {"a": (L, Din,
-    S, R), "b": (L, S, R, Dout)}}, S = num_slots (slot 0: no adapter, left zero)."""
+    S, R), "b": (L, S, R, Dout)}}, S = num_slots: slot s (1..S) at index s - 1 (slot 0, no
+    adapter, has no columns to compute)."""
     sizes = module_sizes(cfg)
     out = {}
     for name in targets:
@@ -249,7 +251,8 @@ def slot_values(adapter: LoRAAdapter | None, slots: dict, dtype) -> dict:
 
 
 def write_slot(slots: dict, slot: jax.Array, values: dict) -> dict:
-    """`slots` with slot `slot` set to `values` (slot_values' tree); jitted with `slots`
-    donated, it writes in place."""
-    return {p: {"a": w["a"].at[:, :, slot].set(values[p]["a"]),
-                "b": w["b"].at[:, slot].set(values[p]["b"])} for p, w in slots.items()}
+    """`slots` with slot `slot` (1..S) set to `values` (slot_values' tree); jitted with
+    `slots` donated, it writes in place."""
+    i = slot - 1
+    return {p: {"a": w["a"].at[:, :, i].set(values[p]["a"]),
+                "b": w["b"].at[:, i].set(values[p]["b"])} for p, w in slots.items()}

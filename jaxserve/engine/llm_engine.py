@@ -84,6 +84,7 @@ class StepRecord:
     bucket: tuple[int, int, int] | None
     finished_at: float = 0.0  # perf_counter when its tokens were postprocessed
     decode_steps: int = 1  # the decode steps it ran in one call (SchedulerOutput.decode_steps)
+    lora: bool = False  # its program added LoRA updates (a row ran an adapter)
 
     @property
     def request_ids(self) -> list[str]:
@@ -734,7 +735,8 @@ class LLMEngine:
                 self.metrics.num_steps - 1,
                 [(s.seq.request_id, s.num_tokens if s.is_prefill else 0,
                   0 if s.is_prefill else s.end - s.start) for s in scheduled],
-                now - step.t0, step.inputs.bucket, now, step.sched.decode_steps))
+                now - step.t0, step.inputs.bucket, now, step.sched.decode_steps,
+                step.inputs.lora_slots is not None))
         return outputs
 
     def _record_speculation(self, scheduled: list[ScheduledSeq], result, prefill: int,

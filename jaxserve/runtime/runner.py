@@ -460,9 +460,9 @@ class ModelRunner:
         self.lora_enabled = config.enable_lora
         if self.lora_enabled:
             self._check_lora(config, mc, deviceless)
-            # slot 0 (no adapter) and max_loras slots, each written in place (load_lora)
+            # max_loras slots, each written in place (load_lora); slot 0, none, takes none
             params[LORA] = lora.empty_slots(mc, lora.supported_modules(mc),
-                                            config.max_loras + 1, config.max_lora_rank,
+                                            config.max_loras, config.max_lora_rank,
                                             self.dtype)
             self._write_lora = jax.jit(lora.write_slot, donate_argnums=(0,))
         # deviceless: shapes alone, on the compile-only devices
@@ -896,7 +896,8 @@ class ModelRunner:
         """Every bucket without proposals, under speculation with K too, and with
         plain_programs the plain variant of each; the buckets a step of decodes alone pads to
         (tokens <= max_num_seqs) also with the decode loop's steps (plain with plain_programs:
-        the scheduler then gives the loop only steps that qualify)."""
+        the scheduler then gives the loop only steps that qualify); with enable_lora, each of
+        those with and without the adapters' updates."""
         ks = sorted({0, self.config.spec_tokens})
         programs = [Program(*b, k) for b in self.all_buckets() for k in ks]
         if self.plain_programs:
@@ -905,6 +906,8 @@ class ModelRunner:
         if n > 1:
             programs += [Program(*b, 0, self.plain_programs, n) for b in self.all_buckets()
                          if b[0] <= self.config.max_num_seqs]
+        if self.lora_enabled:  # each also with the adapters' updates
+            programs += [p._replace(lora=True) for p in programs]
         return programs
 
     def _unused_processing(self, s: int) -> logits_processing.LogitsInputs:
@@ -919,7 +922,7 @@ class ModelRunner:
         return dummy_step_inputs(program.tokens, program.seqs, program.blocks, self.block_size,
                                  num_blocks or self.num_blocks, self.logits_shape,
                                  program.spec_k, program.plain, program.decode_steps,
-                                 self.kv_layout.num_groups, self.lora_enabled)
+                                 self.kv_layout.num_groups, program.lora)
 
     def _lower(self, program: Program) -> jax.stages.Lowered:
         inputs = self._dummy_inputs(program)
@@ -991,8 +994,9 @@ class ModelRunner:
         self.compile_seconds += time.perf_counter() - t0
         if self.host_pool is not None:
             self.pools = self.host_pool.warmup(self.pools)
-        if self.lora_enabled:  # the slot writer compiles now: slot 0 (none) stays zeros
-            self._put_lora(0, lora.slot_values(None, self.params[LORA], self.dtype))
+        if self.lora_enabled:  # the slot writer compiles now: slot 1 written as it is
+            self._put_lora(1, {p: {"a": w["a"][:, :, 0], "b": w["b"][:, 0]}
+                               for p, w in self.params[LORA].items()})
         self.is_warm = True
         dt = time.perf_counter() - t0
         logger.info("warmup: %d programs in %.1fs (%d loaded whole from the executable cache)",

@@ -23,7 +23,8 @@ from jaxserve.runtime.speculative import SpecInputs
 
 class Program(NamedTuple):
     """What a step program is compiled for: its bucket, K (proposal slots per row: 0 in a step
-    that verifies nothing), `plain` (StepInputs.plain) and the decode steps it runs."""
+    that verifies nothing), `plain` (StepInputs.plain), the decode steps it runs and `lora`:
+    whether it adds LoRA updates (a step whose rows all run the base model skips them)."""
 
     tokens: int
     seqs: int
@@ -31,6 +32,7 @@ class Program(NamedTuple):
     spec_k: int = 0
     plain: bool = False
     decode_steps: int = 1
+    lora: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +68,8 @@ class StepInputs:
     def program(self) -> Program:
         """The compiled program that runs it."""
         return Program(*self.bucket, self.spec.draft_tokens.shape[1], self.plain,
-                       1 if self.decode is None else self.decode.num_steps)
+                       1 if self.decode is None else self.decode.num_steps,
+                       self.lora_slots is not None)
 
 
 def seq_bucket(seq_buckets: tuple[int, ...], t_pad: int, num_seqs: int = 0,
@@ -103,7 +106,7 @@ def build_step_inputs(
     step's decode steps (SchedulerOutput.decode_steps). `slots`: the decode slots (see
     seq_bucket). `num_groups`: the pool's layer groups (core/kv_layout.py): past one, the
     block tables are (G, S, MB) and the slots (G, T), a table and a slot per group. `lora`:
-    the runner serves adapters, so each row carries its sequence's LoRA slot."""
+    the runner serves adapters, so where a row runs one each row carries its LoRA slot."""
     tok_b, seq_b, blk_b = buckets
     num_seqs = len(scheduled)
     # This runs on the host every step while the device waits: one Python pass over the
@@ -184,7 +187,7 @@ def build_step_inputs(
                                       * block_size + pos % block_size)
     input_ids[:num_tokens] = ids
     lora_slots = None
-    if lora:
+    if lora and any(s.seq.lora_slot for s in scheduled):  # else the program without updates
         lora_slots = np.zeros(t_pad, np.int32)
         lora_slots[:num_tokens] = np.repeat(
             np.array([s.seq.lora_slot for s in scheduled], np.int32), ns)

@@ -74,9 +74,12 @@ def test_more_adapters_than_slots_under_preemption(model, mode):
 
 def test_prefix_cache_is_keyed_by_adapter(model):
     """One prompt under adapter 1, then 2, then the base, then 1 again: only the last reads
-    the cache, and every run has its own adapter's tokens."""
+    the cache, and every run has its own adapter's tokens. The base run's steps skip the
+    adapters' updates, in a program compiled at warmup like the others."""
     path, _, _, loras = model
-    engine = LLMEngine(EngineConfig(model=path, **SMALL))
+    engine = LLMEngine(EngineConfig(model=path, strict_compile=True, **SMALL))
+    engine.warmup()
+    compiles = engine.runner.num_compiles
     ids = prompts(2, [40])[0]
     stats = engine.block_manager.stats
     runs, hits = [(ids, loras[0]), (ids, loras[1]), (ids, None), (ids, loras[0])], []
@@ -91,6 +94,9 @@ def test_prefix_cache_is_keyed_by_adapter(model):
     assert got == peft_greedy(model, runs)
     assert got[0] != got[2] and got[1] != got[2]
     assert engine.block_manager.num_used_blocks == 0
+    assert [rec.lora for rec in engine.step_trace] == [rec.request_ids != ["r2"]
+                                                       for rec in engine.step_trace]
+    assert engine.runner.num_compiles == compiles
 
 
 def test_ngram_speculation_with_adapters(model):

@@ -69,16 +69,17 @@ def test_adapter_layout_and_scaling(tmp_path):
 
 
 def test_update_reads_each_rows_own_slot():
-    """lora_update over a mixed batch equals each row's own x A B (slot 0: zeros)."""
+    """lora_update over a mixed batch equals each row's own x A B (slot s at index s - 1;
+    slot 0: none, zeros)."""
     rng = np.random.default_rng(1)
-    s, r, din, dout = 3, 4, 8, 5
+    s, r, din, dout = 2, 4, 8, 5
     a = rng.standard_normal((din, s, r)).astype(np.float32)
     b = rng.standard_normal((s, r, dout)).astype(np.float32)
-    a[:, 0], b[0] = 0, 0
     x = rng.standard_normal((6, din)).astype(np.float32)
     slots = np.array([0, 2, 1, 2, 0, 1], np.int32)
     got = np.asarray(lora_update(x, a, b, slot_mask(slots, s, r, np.float32)))
-    want = np.stack([x[i] @ a[:, k] @ b[k] for i, k in enumerate(slots)])
+    want = np.stack([x[i] @ a[:, k - 1] @ b[k - 1] if k else np.zeros(dout, np.float32)
+                     for i, k in enumerate(slots)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
