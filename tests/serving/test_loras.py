@@ -5,6 +5,7 @@ names and paths refused with nothing changed; the endpoints behind the API key."
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import threading
@@ -208,3 +209,33 @@ def test_serve_refuses_lora_options_it_cannot_serve(argv, why, capsys):
     with pytest.raises(SystemExit) as e:
         serve_main(argv)
     assert why in str(e.value)
+
+
+def test_data_parallel_replicas_each_load_the_adapters(setup):
+    """Two replicas: --lora-modules and a runtime load reach both engines, and requests on
+    either run the adapter (HF + PEFT's tokens)."""
+    from jaxserve.engine import data_parallel
+
+    srv, hf, adapters, _ = setup
+    engine = srv.server.engine
+    engines = data_parallel.build_replicas(
+        EngineConfig(model=engine.config.model, **ENGINE | {"data_parallel_size": 2}))
+    dp = RunningServer(engines, api_key="k", lora_modules=(f"a1={adapters['a1']}",))
+    try:
+        assert post(dp, "/v1/load_lora_adapter",
+                    {"lora_name": "a3", "lora_path": adapters["a3"]})[0] == 200
+        assert [[r.lora_name for r in e.list_loras()] for e in engines] == [["a1", "a3"]] * 2
+        runs = list(zip(prompts(3, (4, 7, 10, 12)), ("a1", "a3", "a1", "a3"), strict=True))
+        want = [t for t, _ in peft_greedy(hf, {k: adapters[k] for k in ("a1", "a3")}, runs, N)]
+
+        def generate(run) -> list[int]:
+            with Client("127.0.0.1", dp.port, api_key="k") as c:
+                return c.generate(prompt_token_ids=run[0], lora_name=run[1], max_tokens=N,
+                                  temperature=0, ignore_eos=True)["token_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+            got = list(pool.map(generate, runs))
+        assert got == want
+        assert all(e.metrics_snapshot()["num_requests_finished"] for e in engines)
+    finally:
+        dp.stop()
