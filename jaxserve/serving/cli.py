@@ -58,7 +58,11 @@ async def serve(engines, server_config: ServerConfig, step_hooks: tuple = (),
                 remote=None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down in order."""
     server = Server(engines, server_config, step_hooks, remote)
-    await server.start()
+    try:
+        await server.start()
+    except ValueError as e:  # an adapter of --lora-modules that does not load
+        server.stop()
+        raise SystemExit(f"serve.py: error: {e}") from None
     logger.info("jaxserve listening on %s", server.where())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -87,7 +87,7 @@ class ServerLoRAs:
         name that is neither."""
         if model is None or model == self.base_model_name:
             return None
-        lora = self.loaded.get(model)
+        lora = self.loaded.get(model) if isinstance(model, str) else None
         if lora is None:
             raise LoRAError(f"model {model!r} does not exist; this server serves "
                             f"{self.base_model_name!r} and the adapters {sorted(self.loaded)}",
