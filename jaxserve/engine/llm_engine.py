@@ -363,11 +363,15 @@ class LLMEngine:
         (ValueError) while an unfinished request runs it: its rows would lose their weights."""
         if self.loras is None:
             return False
-        if any(s.lora_id == lora_id for s in self.requests.values()):
+        if self.is_lora_in_use(lora_id):
             raise ValueError(f"lora_int_id: adapter {lora_id} is in use by unfinished "
                              f"requests")
         self.scheduler.lora_slots.release(lora_id)
         return self.loras.remove(lora_id)
+
+    def is_lora_in_use(self, lora_id: int) -> bool:
+        """Whether an unfinished request runs adapter `lora_id`."""
+        return any(s.lora_id == lora_id for s in self.requests.values())
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters known to the engine, by id."""

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
@@ -104,15 +105,17 @@ class AsyncEngine:
                           params: SamplingParams | None = None, *,
                           prompt_token_ids: list[int] | None = None,
                           priority: int = 0, cache_salt: str | None = None,
-                          pooling: str | None = None) -> RequestStream:
+                          pooling: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request; raises what LLMEngine.add_request raises (ValueError, ...).
-        `pooling`: an embedding request (its finished output carries `embedding`)."""
+        `pooling`: an embedding request (its finished output carries `embedding`);
+        `lora_request`: the adapter it runs under."""
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                self.max_queue_per_request)
         stream.on_overflow = lambda s: self.abort(s.request_id)
         kwargs = dict(prompt=prompt, params=params, prompt_token_ids=prompt_token_ids,
                       priority=priority, arrival_time=time.perf_counter(),
-                      cache_salt=cache_salt, pooling=pooling)
+                      cache_salt=cache_salt, pooling=pooling, lora_request=lora_request)
         await self._add(stream, "add", kwargs)
         return stream
 

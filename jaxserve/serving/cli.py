@@ -19,6 +19,7 @@ from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
 from jaxserve.runtime import distributed
 from jaxserve.runtime.distributed import DistributedConfig
 from jaxserve.serving.disagg import DisaggSet, FrontConfig, FrontModel
+from jaxserve.serving.loras import check_lora_options
 from jaxserve.serving.server import Server, ServerConfig
 
 logger = logging.getLogger("jaxserve.server")
@@ -57,7 +58,11 @@ async def serve(engines, server_config: ServerConfig, step_hooks: tuple = (),
                 remote=None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down in order."""
     server = Server(engines, server_config, step_hooks, remote)
-    await server.start()
+    try:
+        await server.start()
+    except ValueError as e:  # an adapter of --lora-modules that does not load
+        server.stop()
+        raise SystemExit(f"serve.py: error: {e}") from None
     logger.info("jaxserve listening on %s", server.where())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -76,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     engine_config, server_config = split_config(args)
     front = from_options(FrontConfig, args)
+    try:  # refused here, before the model loads
+        check_lora_options(engine_config.enable_lora, server_config.lora_modules,
+                           front.is_front)
+    except ValueError as e:
+        raise SystemExit(f"serve.py: error: {e}") from None
     if front.is_front:  # the engines run elsewhere: serve the clients and route to them
         remote = DisaggSet(list(front.prefill_engines or ()), list(front.decode_engines or ()),
                            engine_config.block_size, server_config.max_queue_per_request,

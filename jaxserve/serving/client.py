@@ -32,12 +32,14 @@ class ServerError(Exception):
 
 
 def _generate_frame(rid: str, prompt, prompt_token_ids, stream: bool, priority: int,
-                    params: dict[str, Any]) -> dict[str, Any]:
+                    params: dict[str, Any], lora_name: str | None = None) -> dict[str, Any]:
     unknown = set(params) - set(param_names())
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
     msg = {"type": "generate", "id": rid, "params": params, "stream": stream,
            "priority": priority}
+    if lora_name is not None:
+        msg["lora_name"] = lora_name
     if prompt_token_ids is not None:
         msg["prompt_token_ids"] = list(prompt_token_ids)
     else:
@@ -105,10 +107,11 @@ class Client:
 
     def generate_stream(self, prompt: str | None = None, *, prompt_token_ids=None,
                         request_id: str | None = None, priority: int = 0,
-                        **params) -> Iterator[dict]:
+                        lora_name: str | None = None, **params) -> Iterator[dict]:
         """Yields the request's token frames, then its done frame."""
         rid = request_id or f"req-{next(self._ids)}"
-        self._send(_generate_frame(rid, prompt, prompt_token_ids, True, priority, params))
+        self._send(_generate_frame(rid, prompt, prompt_token_ids, True, priority, params,
+                                   lora_name))
         while True:
             frame = self._recv()
             if frame["type"] == "error" and "id" not in frame:
@@ -122,10 +125,12 @@ class Client:
                 return
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids=None,
-                 request_id: str | None = None, priority: int = 0, **params) -> dict:
+                 request_id: str | None = None, priority: int = 0,
+                 lora_name: str | None = None, **params) -> dict:
         """The done frame (text, token_ids, finish_reason, ttft, e2e ...)."""
         rid = request_id or f"req-{next(self._ids)}"
-        self._send(_generate_frame(rid, prompt, prompt_token_ids, False, priority, params))
+        self._send(_generate_frame(rid, prompt, prompt_token_ids, False, priority, params,
+                                   lora_name))
         while True:
             frame = self._recv()
             if frame["type"] == "error" and "id" not in frame:
@@ -206,13 +211,14 @@ class AsyncClient:
 
     async def generate_stream(self, prompt: str | None = None, *, prompt_token_ids=None,
                               request_id: str | None = None, priority: int = 0,
-                              stream: bool = True, **params) -> AsyncIterator[dict]:
+                              stream: bool = True, lora_name: str | None = None,
+                              **params) -> AsyncIterator[dict]:
         rid = request_id or f"req-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         try:
             self.writer.write(encode(_generate_frame(rid, prompt, prompt_token_ids, stream,
-                                                     priority, params)))
+                                                     priority, params, lora_name)))
             await self.writer.drain()
             while True:
                 frame = await q.get()

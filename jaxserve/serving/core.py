@@ -22,6 +22,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.disagg import DisaggCollector
 from jaxserve.serving.flow import StallWatch
+from jaxserve.serving.loras import LoRAError, ServerLoRAs, check_lora_options, parse_lora_module
 from jaxserve.serving.prometheus import PrometheusExporter
 from jaxserve.serving.replicas import ReplicaSet
 
@@ -54,6 +55,12 @@ class ServerConfig:
                                                       "hold (least recently used go first)")
     model_name: str = option("jaxserve", "the model id /v1/models reports and requests name",
                              aliases=("--served-model-name",))
+    lora_modules: tuple[str, ...] | None = option(
+        None, "LoRA adapters loaded at start (needs --enable-lora), each name=path or a JSON "
+              "object {\"name\", \"path\", \"base_model_name\"}; a request's model names one")
+    lora_allowed_dir: str | None = option(
+        None, "a LoRA adapter's path (--lora-modules, /v1/load_lora_adapter) must lie inside "
+              "this directory (default: anywhere)")
 
     def __post_init__(self):
         for name in ("max_frame_bytes", "max_concurrent_per_connection", "max_queue_per_request",
@@ -63,6 +70,12 @@ class ServerConfig:
         for name in ("max_stored_responses", "max_stored_response_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lora_modules is not None:
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+            names = [parse_lora_module(m).name for m in self.lora_modules]
+            if len(set(names)) < len(names) or self.model_name in names:
+                raise ValueError(f"lora_modules: names must differ from each other and from "
+                                 f"model_name, got {names}")
 
 
 class LimitError(ValueError):
@@ -100,6 +113,10 @@ class ServingCore:
 
             self.replicas = ReplicaSet(engines, router, self.config.max_queue_per_request,
                                        on_step)
+        check_lora_options(self.engine.config.enable_lora, self.config.lora_modules,
+                           remote is not None)
+        self.loras = ServerLoRAs(self.replicas, self.config.model_name,
+                                 self.engine.config.enable_lora, self.config.lora_allowed_dir)
         self.draining = False
         self._ids = itertools.count()
         self.stall_watch = StallWatch(self.config.write_stall_timeout_s)
@@ -113,6 +130,15 @@ class ServingCore:
     def start(self) -> None:
         self.replicas.start()
         self.stall_watch.start()
+
+    async def load_lora_modules(self) -> None:
+        """Load `lora_modules` on every engine; ValueError naming the entry that fails."""
+        for text in self.config.lora_modules or ():
+            m = parse_lora_module(text)
+            try:
+                await self.loras.load(m.name, m.path, m.base_model_name)
+            except LoRAError as e:
+                raise ValueError(f"lora_modules: {m.name!r}: {e}") from None
 
     async def finish(self) -> None:
         """Take no new requests; let those in flight finish within `shutdown_timeout_s`, then
@@ -189,9 +215,14 @@ class ServingCore:
 
     async def submit(self, engine_id: str, prompt, prompt_token_ids, params,
                      priority: int = 0, cache_salt: str | None = None,
-                     pooling: str | None = None) -> RequestStream:
-        """`pooling`: an embedding request (engines in this process only)."""
+                     pooling: str | None = None, model: str | None = None) -> RequestStream:
+        """`pooling`: an embedding request (engines in this process only). `model`: the
+        base model's name or a loaded adapter's (LoRAError 404 for neither), looked up in the
+        same turn of the event loop that queues the request (see serving/loras.py)."""
+        lora = self.loras.resolve(model)
         extra = {} if pooling is None else {"pooling": pooling}
+        if lora is not None:
+            extra["lora_request"] = lora
         return await self.replicas.add_request(engine_id, prompt, params,
                                                prompt_token_ids=prompt_token_ids,
                                                priority=priority, cache_salt=cache_salt,

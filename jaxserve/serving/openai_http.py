@@ -1,11 +1,13 @@
 """OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions (both with
 `stream: true` as server-sent events; chat with tool calls), /v1/responses (stored responses
-readable and deletable by id), /v1/embeddings (serving/embeddings.py), /v1/models, /health,
-/metrics (Prometheus text).
+readable and deletable by id), /v1/embeddings (serving/embeddings.py), /v1/models,
+/v1/load_lora_adapter and /v1/unload_lora_adapter (serving/loras.py), /health, /metrics
+(Prometheus text).
 
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for bad
-fields, 401 for a missing or wrong key, 404 for an unknown model or route, 429 when the waiting
-queue is full, 503 while shutting down.
+fields, 401 for a missing or wrong key, 404 for an unknown model or route, 409 for unloading
+a LoRA adapter that requests still run, 429 when the waiting queue is full, 503 while shutting
+down.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving import embeddings, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
+from jaxserve.serving.loras import LoRAError
 from jaxserve.serving.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,8 @@ def build_app(server: ServingCore) -> web.Application:
     app.router.add_get("/v1/responses/{response_id}", api.get_response)
     app.router.add_delete("/v1/responses/{response_id}", api.delete_response)
     app.router.add_get("/v1/models", api.models)
+    app.router.add_post("/v1/load_lora_adapter", api.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", api.unload_lora_adapter)
     app.router.add_get("/health", api.health)
     app.router.add_get("/version", api.version)
     app.router.add_post("/tokenize", api.tokenize)
@@ -123,11 +128,10 @@ class _Api:
             raise ApiError(400, "request body must be JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.server.config.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves "
-                                f"{self.server.config.model_name!r}", param="model",
-                           kind="not_found_error", code="model_not_found")
+        try:
+            self.server.loras.resolve(body.get("model"))
+        except LoRAError as e:
+            raise _lora_error(e) from None
         return body
 
     def _params(self, body: dict, default_max_tokens: int | None) -> SamplingParams:
@@ -210,7 +214,9 @@ class _Api:
         return found[0] if found else None
 
     async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str,
-                      cache_salt=None, pooling: str | None = None):
+                      cache_salt=None, pooling: str | None = None, model: str | None = None):
+        """`model`: the body's, the base model or a loaded adapter (unloaded since _body
+        checked it: 404)."""
         if self.server.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
@@ -220,9 +226,12 @@ class _Api:
         engine_id = self.server.new_engine_id(prefix)
         try:
             stream = await self.server.submit(engine_id, prompt, prompt_ids, params,
-                                              cache_salt=cache_salt, pooling=pooling)
+                                              cache_salt=cache_salt, pooling=pooling,
+                                              model=model)
         except QueueFullError as e:
             raise ApiError(429, str(e), kind="rate_limit_error") from None
+        except LoRAError as e:
+            raise _lora_error(e) from None
         except ValueError as e:
             msg = str(e)
             raise ApiError(400, msg, param=msg.split()[0].rstrip(":")) from None
@@ -332,8 +341,8 @@ class _Api:
             params.prompt_logprobs = params.logprobs
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl",
-                                               body.get("cache_salt"))
-        created, model = int(time.time()), self.server.config.model_name
+                                               body.get("cache_salt"), model=body.get("model"))
+        created, model = int(time.time()), self._model(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
         echoed = ""
         if echo:  # the prompt's text, before each choice's
@@ -394,8 +403,8 @@ class _Api:
             await self._force_calls(params, choice)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat",
-                                               body.get("cache_salt"))
-        created, model = int(time.time()), self.server.config.model_name
+                                               body.get("cache_salt"), model=body.get("model"))
+        created, model = int(time.time()), self._model(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         calling = choice is not None and choice.mode != "none"
         if body.get("stream"):
@@ -525,7 +534,7 @@ class _Api:
         fmt = (body.get("text") or {}).get("format") or {"type": "text"}
         builder = responses.ResponseBuilder({
             "id": responses.new_id("resp"), "object": "response",
-            "created_at": int(time.time()), "model": self.server.config.model_name,
+            "created_at": int(time.time()), "model": self._model(body),
             "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
             "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": params.temperature, "top_p": params.top_p,
@@ -536,7 +545,8 @@ class _Api:
             "previous_response_id": prev, "text": {"format": fmt}, "metadata": {},
             "store": store, "truncation": "disabled", "usage": None}, choice)
 
-        engine_id, stream = await self._submit(prompt, None, params, "resp")
+        engine_id, stream = await self._submit(prompt, None, params, "resp",
+                                               model=body.get("model"))
 
         def finish(out) -> list[dict]:
             events = builder.finish(out)
@@ -571,6 +581,9 @@ class _Api:
         if not isinstance(self.server.replicas, ReplicaSet):
             raise ApiError(400, "embeddings are served by an engine in this process only, "
                                 "not through a disaggregated front", param="input")
+        if self._model(body) != self.server.config.model_name:
+            raise ApiError(400, "embeddings come from the base model only, not a LoRA adapter",
+                           param="model")
         params = SamplingParams(max_tokens=1)  # what prompt_ids checks against the limits
         submitted = []
         try:
@@ -659,10 +672,41 @@ class _Api:
         return {"content": [item(t, e["logprob"]) | {"top_logprobs": [
             item(k, v) for k, v in e["top"].items()]} for t, e in pairs]}
 
+    def _model(self, body: dict) -> str:
+        """The model a request names: the base model's name or an adapter's."""
+        return body.get("model") or self.server.config.model_name
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.server.config.model_name, "object": "model", "created": 0,
-            "owned_by": "jaxserve", "max_model_len": self.server.engine.config.max_model_len}]})
+        """The base model, then each loaded LoRA adapter (vLLM's shape: `root` its path,
+        `parent` the model it adapts)."""
+        loras = self.server.loras
+        base = {"object": "model", "created": 0, "owned_by": "jaxserve",
+                "max_model_len": self.server.engine.config.max_model_len}
+        return web.json_response({"object": "list", "data": [
+            base | {"id": self.server.config.model_name, "root": self.server.config.model_name,
+                    "parent": None}] + [
+            base | {"id": name, "root": lora.lora_path, "parent": loras.parents[name]}
+            for name, lora in loras.loaded.items()]})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime load: {"lora_name", "lora_path"} -> plain-text success."""
+        body = await self._body(request)
+        try:
+            await self.server.loras.load(body.get("lora_name"), body.get("lora_path"))
+        except LoRAError as e:
+            raise _lora_error(e) from None
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added "
+                                 f"successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime unload: {"lora_name"}; refused (409) while a request runs it."""
+        body = await self._body(request)
+        try:
+            await self.server.loras.unload(body.get("lora_name"))
+        except LoRAError as e:
+            raise _lora_error(e) from None
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed "
+                                 f"successfully.")
 
     async def health(self, request: web.Request) -> web.Response:
         replicas = self.server.replicas
@@ -724,6 +768,13 @@ class _Api:
         await self.server.replicas.poll()
         return web.Response(body=self.server.exporter.render(),
                             content_type="text/plain", charset="utf-8")
+
+
+def _lora_error(e: LoRAError) -> ApiError:
+    if e.status == 404:
+        return ApiError(404, str(e), param=e.param, kind="not_found_error",
+                        code="model_not_found")
+    return ApiError(e.status, str(e), param=e.param)
 
 
 def _event(obj: dict) -> bytes:

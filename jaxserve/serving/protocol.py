@@ -6,7 +6,8 @@ with a string "type". Client frames:
     {"type": "auth", "api_key": str}                              (first, when a key is set)
     {"type": "generate", "id": str, "prompt": str | "prompt_token_ids": [int],
      "params": {...SamplingParams fields, by name...}, "priority": int, "stream": bool,
-     "cache_salt": str (prefix-cache blocks are shared only under the same salt)}
+     "cache_salt": str (prefix-cache blocks are shared only under the same salt),
+     "lora_name": str (a loaded LoRA adapter it runs under; absent: the base model)}
     {"type": "abort", "id": str}
     {"type": "health"}        {"type": "stats"}
 
@@ -30,7 +31,8 @@ fields are sample 0's, and completion_tokens counts every sample's tokens.
 Ids are the client's own; they must be unique among that connection's live requests. Error
 codes: bad_frame, frame_too_large (then the connection closes, after the error frame even
 when the client half-closed mid-frame), unknown_type, unauthorized,
-invalid_field, invalid_request, limit_exceeded, queue_full, duplicate_id, not_found,
+invalid_field, invalid_request, limit_exceeded, queue_full, duplicate_id, not_found (also: no
+LoRA adapter of that lora_name is loaded),
 shutting_down, and internal_error (the request failed inside the engine; others go on).
 Closing the connection, or only its sending half, aborts every request on it.
 """
@@ -107,6 +109,7 @@ class GenerateRequest:
     priority: int
     stream: bool
     cache_salt: str | None = None
+    lora_name: str | None = None
 
 
 def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
@@ -144,7 +147,10 @@ def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
         check_salt(salt)
     except ValueError as e:  # the message starts with the field's name
         raise ProtocolError("invalid_field", str(e), rid) from None
-    return GenerateRequest(rid, prompt, ids, params, priority, stream, salt)
+    lora_name = msg.get("lora_name")
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise bad("lora_name", "must be a non-empty string")
+    return GenerateRequest(rid, prompt, ids, params, priority, stream, salt, lora_name)
 
 
 def logprob_from_wire(entry: dict | None) -> dict | None:

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.router import Router
 from jaxserve.engine import data_parallel
@@ -54,12 +55,14 @@ class ReplicaSet:
     async def add_request(self, request_id: str, prompt: str | None, params, *,
                           prompt_token_ids: list[int] | None = None, priority: int = 0,
                           cache_salt: str | None = None,
-                          pooling: str | None = None) -> RequestStream:
+                          pooling: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         i = self.router.route(request_id, prompt_token_ids, cache_salt)
         try:
             return await self.replicas[i].add_request(
                 request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                priority=priority, cache_salt=cache_salt, pooling=pooling)
+                priority=priority, cache_salt=cache_salt, pooling=pooling,
+                lora_request=lora_request)
         except BaseException:  # refused (or its caller left): it holds no place there
             self.router.finished(request_id)
             raise

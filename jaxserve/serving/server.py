@@ -29,6 +29,7 @@ class Server(ServingCore):
     async def start(self) -> None:
         super().start()
         await self.replicas.connect()
+        await self.load_lora_modules()
         cfg = self.config
         self.socket_port = await self.socket.start(cfg.host, cfg.port)
         if cfg.http_port is not None:

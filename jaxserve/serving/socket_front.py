@@ -18,6 +18,7 @@ from jaxserve.serving.async_engine import RequestStream, StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 from jaxserve.serving.flow import Watched, configure_transport
 from jaxserve.serving.handover_frames import HandoverFrames
+from jaxserve.serving.loras import LoRAError
 from jaxserve.serving.protocol import (
     CLIENT_TYPES,
     ProtocolError,
@@ -244,7 +245,7 @@ class SocketFront:
                 conn.active.pop(req.id, None)
                 return
             stream = await self.core.submit(engine_id, req.prompt, ids, req.params, req.priority,
-                                       req.cache_salt)
+                                            req.cache_salt, model=req.lora_name)
         except LimitError as e:
             conn.active.pop(req.id, None)
             conn.error("limit_exceeded", str(e), req.id)
@@ -252,6 +253,11 @@ class SocketFront:
         except QueueFullError as e:
             conn.active.pop(req.id, None)
             conn.error("queue_full", str(e), req.id)
+            return
+        except LoRAError:
+            conn.active.pop(req.id, None)
+            conn.error("not_found", f"lora_name: no LoRA adapter {req.lora_name!r} is loaded",
+                       req.id)
             return
         except ValueError as e:
             conn.active.pop(req.id, None)
