@@ -25,6 +25,7 @@ jax-cuda12-pjrt==0.11.2` (`--plugin-dir` or $JAXSERVE_CUDA_PLUGIN_DIR name anoth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -74,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=512, help="tokens each sequence has seen")
     ap.add_argument("--sequences", type=int, default=256, help="the largest batch")
     ap.add_argument("--attention-backend", default="mosaic")
+    ap.add_argument("--enable-lora", action="store_true",
+                    help="LoRA slots too: each program also with the adapters' updates "
+                         "(its name + '+lora'), beside the one without")
+    ap.add_argument("--max-loras", type=int, default=None, help="with --enable-lora")
+    ap.add_argument("--max-lora-rank", type=int, default=None, help="with --enable-lora")
     ap.add_argument("--layer-loop", default=None, choices=("scan", "unroll"),
                     help="default: the engine's on an accelerator")
     ap.add_argument("--plugin-dir", default=os.environ.get(
@@ -151,7 +157,8 @@ def main(argv=None) -> int:
           f"a graph + {gc.SYNC_US} us a host sync + collectives at "
           f"{gc.LINK_BANDWIDTH / 1e9:.0f} GB/s a link + {gc.COLLECTIVE_US} us each", flush=True)
     engine = {"attention_backend": args.attention_backend}
-    for name in ("layer_loop", "max_model_len", "kv_cache_dtype"):
+    for name in ("layer_loop", "max_model_len", "kv_cache_dtype", "enable_lora", "max_loras",
+                 "max_lora_rank"):
         if getattr(args, name):
             engine[name] = getattr(args, name)
     models = {m: gc.MODELS[m] for m in args.models}
@@ -161,6 +168,9 @@ def main(argv=None) -> int:
     for model, preset in models.items():
         specs = [s for s in gc.default_programs(args.context, args.sequences)
                  if args.programs is None or s.name in args.programs]
+        if args.enable_lora:
+            specs = [v for s in specs for v in (s, dataclasses.replace(
+                s, name=s.name + "+lora", lora=True))]
         if not specs:
             continue
         runner = gc.deviceless_runner(preset, devices, specs, **engine)

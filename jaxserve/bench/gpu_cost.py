@@ -390,13 +390,15 @@ MODELS = {"smollm2-135m": SMOLLM2, "llama-3.1-8b": LLAMA31_8B}
 @dataclasses.dataclass(frozen=True)
 class ProgramSpec:
     """One program of the report: `sequences` real rows at context `context`, of which
-    `prefill` more tokens belong to one prompt chunk (a mixed step), `decode_steps` per call."""
+    `prefill` more tokens belong to one prompt chunk (a mixed step), `decode_steps` per call;
+    `lora`: with the LoRA adapters' updates (a runner with enable_lora)."""
 
     name: str
     sequences: int
     context: int
     prefill: int = 0
     decode_steps: int = 1
+    lora: bool = False
 
 
 def default_programs(context: int, most: int = 256) -> list[ProgramSpec]:
@@ -501,17 +503,21 @@ def program_of(runner, spec: ProgramSpec):
     seqs = seq_bucket(seq, tokens, spec.sequences + bool(spec.prefill),
                       runner.config.max_num_seqs)
     blocks = pick_bucket(blk, -(-spec.context // runner.block_size), "blocks")
-    return Program(tokens, seqs, blocks, 0, runner.plain_programs, spec.decode_steps)
+    return Program(tokens, seqs, blocks, 0, runner.plain_programs, spec.decode_steps,
+                   spec.lora)
 
 
-def weight_bytes(runner) -> int:
+def weight_bytes(runner, lora: bool = False) -> int:
     """Bytes of the weights a step reads whole, on one device: all but an untied embedding,
-    of which a step gathers its tokens' rows alone."""
+    of which a step gathers its tokens' rows alone, and the LoRA slots but where `lora`."""
+    from jaxserve.models.llama import LORA
     from jaxserve.runtime.sharding import bytes_per_device
 
     params = dict(runner.params)
     if not runner.model_config.tie_word_embeddings:
         params.pop("embed")
+    if not lora:
+        params.pop(LORA, None)
     return bytes_per_device(params)
 
 
@@ -556,7 +562,7 @@ def cost_program(runner, spec: ProgramSpec, dump_dir: str, bandwidth: float) -> 
     pool = runner.kv.k
     hlo = HloBytes(files["hlo"], pool.sharding.shard_shape(pool.shape), read)
     n = spec.decode_steps
-    floor = weight_bytes(runner) + 2 * mc.num_layers * read
+    floor = weight_bytes(runner, spec.lora) + 2 * mc.num_layers * read
     per = lambda x: x / n  # noqa: E731
     hbm = per(hlo.total)
     outside, graphs, syncs = per(launches.outside), per(launches.graphs), per(launches.host_syncs)

@@ -725,7 +725,6 @@ class ModelRunner:
         why = ("tensor_parallel_size and expert_parallel_size 1"
                if config.tensor_parallel_size * config.expert_parallel_size > 1 else
                "one process" if jax.process_count() > 1 else
-               "a runner with devices" if deviceless else
                f"role={Role.BOTH.value}" if config.role is not Role.BOTH else None)
         if why is not None:
             raise ValueError(f"enable_lora: adapters are served with {why} only")

@@ -19,6 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PLUGIN = os.environ.get("JAXSERVE_CUDA_PLUGIN_DIR", os.path.join(ROOT, ".cuda-compiler"))
 
 
+# a model given by its config.json alone
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=256,
+            intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+            rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
 def _cost(tmp_path, *extra: str, programs=("decode-256",)) -> list[dict]:
     if not os.path.isdir(os.path.join(PLUGIN, "jax_plugins")):
         pytest.fail(f"JAX's CUDA plugin is not in {PLUGIN}; the README's test command installs "
@@ -65,17 +72,37 @@ def test_unknown_program_or_target_is_refused_by_name():
         assert proc.returncode != 0 and field in proc.stderr, proc.stderr[-2000:]
 
 
+def test_lora_program_beside_the_base_one(tmp_path):
+    """--enable-lora: each program with the adapters' updates beside the one without, both
+    one graph; the updated one reads the slots too (its floor and its bytes grow)."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "lora.json"
+    proc = subprocess.run([sys.executable, "scripts/gpu_cost.py", "--target", "h100",
+                           "--config", str(tmp_path / "tiny"), "--programs", "decode-64",
+                           "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
+                           "--plugin-dir", PLUGIN, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    base, lora = json.loads(out.read_text())["programs"]
+    assert (base["name"], lora["name"]) == ("decode-64", "decode-64+lora")
+    assert not base["program"][-1] and lora["program"][-1]  # Program.lora
+    # Din + Dout of q, k, v, o (4 heads of 64, 2 kv heads) and gate, up, down (256 -> 512)
+    sizes = 2 * (256 + 256) + 2 * (256 + 128) + 3 * (256 + 512)
+    slots = 2 * sizes * 4 * 16 * 2  # 2 layers, 4 slots of rank 16, bf16
+    assert lora["floor_bytes"] - base["floor_bytes"] == slots
+    assert lora["hbm_bytes"] > base["hbm_bytes"] + slots / 2
+    for p in (base, lora):
+        assert p["graphs"] == 1 and p["launches_outside_graphs"] == 0
+
+
 def test_tensor_parallel_step_and_memory_plan_from_a_config(tmp_path):
     """A model given by its config.json alone, split over two H100s: every collective inside
     the step's one graph, two all-reduces a layer (attention's and the MLP's outputs) plus the
     embedding's and the logits' gather; the weights halved per device; the memory plan."""
-    layers = 2
-    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=256,
-               intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
-               rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    layers = TINY["num_hidden_layers"]
     (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY))
     runs = {}
     for tp in (1, 2):
         out = tmp_path / f"tp{tp}.json"
