@@ -14,6 +14,9 @@ import sys
 import pytest
 
 from jaxserve.bench.gpu_cost import check_bounds
+from jaxserve.runtime.step_inputs import Program
+
+STEPS, LORA = Program._fields.index("decode_steps"), Program._fields.index("lora")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLUGIN = os.environ.get("JAXSERVE_CUDA_PLUGIN_DIR", os.path.join(ROOT, ".cuda-compiler"))
@@ -46,7 +49,7 @@ def _cost(tmp_path, *extra: str, programs=("decode-256",)) -> list[dict]:
 def test_default_decode_step_within_bounds(tmp_path):
     p, loop = _cost(tmp_path, programs=("decode-256", "decode-loop-256"))
     assert p["sequences"] == loop["sequences"] == 256 and p["program"][:2] == [256, 256]
-    assert loop["decode_steps"] == 8 and loop["program"][-1] == 8
+    assert loop["decode_steps"] == 8 and loop["program"][STEPS] == 8
     assert check_bounds(p) == [], p
     assert check_bounds(loop) == [], loop
     # the floor: bf16 weights once (0.27 GB) + 256 x 512 tokens of K and V over 30 layers
@@ -86,7 +89,7 @@ def test_lora_program_beside_the_base_one(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     base, lora = json.loads(out.read_text())["programs"]
     assert (base["name"], lora["name"]) == ("decode-64", "decode-64+lora")
-    assert not base["program"][-1] and lora["program"][-1]  # Program.lora
+    assert not base["program"][LORA] and lora["program"][LORA]
     # Din + Dout of q, k, v, o (4 heads of 64, 2 kv heads) and gate, up, down (256 -> 512)
     sizes = 2 * (256 + 256) + 2 * (256 + 128) + 3 * (256 + 512)
     slots = 2 * sizes * 4 * 16 * 2  # 2 layers, 4 slots of rank 16, bf16
