@@ -445,6 +445,14 @@ class ModelRunner:
         if self.draft_config is not None:  # its pool has the same blocks: they share the budget
             per_block += bytes_per_block(self.draft_config, config.block_size, self.kv_dtype)
         self._use_attention(self.attention.backend, self.attention.fn)
+        self.lora_enabled = config.enable_lora
+        if self.lora_enabled:
+            self._check_lora(config, mc, loaded.config)
+            # max_loras slots, each written in place (load_lora); slot 0, none, takes none
+            params[LORA] = lora.empty_slots(mc, lora.supported_modules(mc),
+                                            config.max_loras, config.max_lora_rank,
+                                            self.dtype)
+            self._write_lora = jax.jit(lora.write_slot, donate_argnums=(0,))
         if self.mesh is None:  # committed to its device: the jitted step runs where they live
             rep = kv_sharding = param_sharding = jax.sharding.SingleDeviceSharding(
                 self.devices[0])
@@ -457,14 +465,6 @@ class ModelRunner:
             rep = sharding.named(self.mesh, sharding.P())
             self._jit_kw = {"in_shardings": ((param_sharding,), (kv_sharding,), rep, rep),
                             "out_shardings": ((kv_sharding,), rep, rep)}
-        self.lora_enabled = config.enable_lora
-        if self.lora_enabled:
-            self._check_lora(config, mc, deviceless)
-            # max_loras slots, each written in place (load_lora); slot 0, none, takes none
-            params[LORA] = lora.empty_slots(mc, lora.supported_modules(mc),
-                                            config.max_loras, config.max_lora_rank,
-                                            self.dtype)
-            self._write_lora = jax.jit(lora.write_slot, donate_argnums=(0,))
         # deviceless: shapes alone, on the compile-only devices
         self.params = (abstract(params, param_sharding) if deviceless else
                        replace_leaves(params, placed, param_sharding) if stacks is None else
@@ -720,10 +720,12 @@ class ModelRunner:
         return draft.config
 
     @staticmethod
-    def _check_lora(config: EngineConfig, mc: ModelConfig, deviceless: bool) -> None:
-        """Raise ValueError where enable_lora meets what its slots do not serve yet."""
-        why = ("tensor_parallel_size and expert_parallel_size 1"
-               if config.tensor_parallel_size * config.expert_parallel_size > 1 else
+    def _check_lora(config: EngineConfig, mc: ModelConfig, model: ModelConfig) -> None:
+        """Raise ValueError where enable_lora meets what its slots do not serve yet (`mc`: the
+        config with heads laid out for tensor parallelism, `model`: the model's own)."""
+        why = ("expert_parallel_size 1" if config.expert_parallel_size > 1 else
+               "tensor parallelism whose size divides the kv heads"
+               if (mc.num_heads, mc.num_kv_heads) != (model.num_heads, model.num_kv_heads) else
                "one process" if jax.process_count() > 1 else
                f"role={Role.BOTH.value}" if config.role is not Role.BOTH else None)
         if why is not None:

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.kernels import fp8
 from jaxserve.kernels.quant import is_quantized, map_planes
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import LORA
 from jaxserve.models.moe import grouped_experts
 
 AXIS = "model"
@@ -214,6 +215,10 @@ _LAYER_SPECS = {
     "wo": P(AXIS, None, None),
     "w_gate": P(None, AXIS), "w_up": P(None, AXIS), "w_down": P(AXIS, None),
 }
+# LoRA slots {"a": (L, Din, S, R), "b": (L, S, R, Dout)}: by whether the base weight splits
+# its inputs (wo, w_down: A's rows split, partial sums reduced as the base's are) or outputs
+_LORA_SPECS = {True: {"a": P(None, AXIS, None, None), "b": P()},
+               False: {"a": P(), "b": P(None, None, None, AXIS)}}
 _Q_PARAMS = ("wq", "bq", "wo")  # indexed by query head
 _KV_PARAMS = ("wk", "wv", "bk", "bv")  # indexed by kv head
 
@@ -254,7 +259,10 @@ def param_specs(params: dict, vocab_size: int, tp: int, ep: int = 1) -> dict:
 
     specs = {}
     for name, leaf in params.items():
-        if name == "layers":
+        if name == LORA:  # A and B split as their base weight is (models/lora.py layout)
+            specs[name] = {p: _LORA_SPECS[tuple(_LAYER_SPECS[p]).index(AXIS) == 0]
+                           for p in leaf}
+        elif name == "layers":
             specs[name] = layer(leaf, True)
         elif name.startswith("layers_"):
             specs[name] = layer(leaf, False)

@@ -5,11 +5,13 @@ changed."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.core.lora import LoRARequest
+from jaxserve.models.llama import LORA
 from jaxserve.testing.oracle import LORA_CONFIGS, make_peft_adapter, make_tiny_hf_model
 from jaxserve.testing.oracle import peft_greedy as oracle_greedy
 from tests.helpers import run_all
@@ -138,3 +140,19 @@ def test_bad_adapters_are_refused_with_nothing_changed(model, tmp_path):
         engine.remove_lora(1)
     run_all(engine)
     assert engine.remove_lora(1) and engine.list_loras() == []
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (forced) devices")
+def test_adapters_at_tensor_parallel_2_give_the_tokens_of_one_device(model):
+    """At TP 2 each device holds its share of A or B, split as the base weight is: the
+    mixed batch's tokens are HF + PEFT's, and each device holds half of B for q."""
+    path, _, _, loras = model
+    runs = [(ids, [None, *loras][i % 4]) for i, ids in enumerate(prompts(5, [20, 9, 33, 14]))]
+    engine = LLMEngine(EngineConfig(model=path, tensor_parallel_size=2, **SMALL))
+    assert run(engine, runs) == peft_greedy(model, runs)
+    b = engine.runner.params[LORA]["wq"]["b"]
+    assert b.addressable_shards[0].data.shape[-1] == b.shape[-1] // 2
+    assert engine.block_manager.num_used_blocks == 0
+    if len(jax.devices()) >= 4:  # 2 kv heads over 4 devices: each replicated, refused
+        with pytest.raises(ValueError, match="divides the kv heads"):
+            LLMEngine(EngineConfig(model=path, tensor_parallel_size=4, **SMALL))
