@@ -16,6 +16,7 @@ failed, or 0 when all succeeded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,9 +28,17 @@ from jaxserve.runtime.distributed import ENV, EXIT_PEER_LOST
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now: each held open until all are picked, so the system cannot
+    hand one out twice (a port closed at once may be the next one given)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def launch(num_processes: int, command: list[str], cpu_devices_per_process: int | None = None,
@@ -67,9 +76,10 @@ def launch_disaggregated(num_prefill: int, num_decode: int, command: list[str],
     if devices_per_engine is not None and devices_per_engine < 1:
         raise ValueError(f"devices_per_engine must be positive, got {devices_per_engine}")
     runs, addresses = [], {"prefill": [], "decode": []}
+    ports = iter(free_ports(num_prefill + num_decode))
     for role, n in (("prefill", num_prefill), ("decode", num_decode)):
         for i in range(n):
-            port = free_port()
+            port = next(ports)
             addresses[role].append(f"127.0.0.1:{port}")
             env = dict(os.environ)
             if devices_per_engine:
