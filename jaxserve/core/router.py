@@ -47,15 +47,17 @@ class Router:
         self._lock = threading.Lock()  # fronts route on one thread, replicas finish on others
 
     def route(self, request_id: str, prompt_token_ids: list[int] | None = None,
-              cache_salt: str | None = None) -> int:
-        """Pick the replica for a new request and count it there. Raises ValueError for a
-        bad cache_salt; ids that are not token ids are routed by load alone (the replica
-        then refuses them, naming the field)."""
+              cache_salt: str | None = None, lora: str | None = None) -> int:
+        """Pick the replica for a new request and count it there. `lora`: a key of the
+        request's adapter (a prefix cached under one adapter serves no other). Raises
+        ValueError for a bad cache_salt; ids that are not token ids are routed by load alone
+        (the replica then refuses them, naming the field)."""
         check_salt(cache_salt)
         names = []
         if self.prefix_aware and prompt_token_ids and len(self.loads) > 1:  # else no choice
             with contextlib.suppress(TypeError, OverflowError):
-                names = extend_hashes([], prompt_token_ids, self.block_size, cache_salt)
+                names = extend_hashes([], prompt_token_ids, self.block_size, cache_salt,
+                                      lora=lora)
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id {request_id!r} is already in use")

@@ -57,7 +57,8 @@ class ReplicaSet:
                           cache_salt: str | None = None,
                           pooling: str | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
-        i = self.router.route(request_id, prompt_token_ids, cache_salt)
+        lora = None if lora_request is None else str(lora_request.lora_int_id)
+        i = self.router.route(request_id, prompt_token_ids, cache_salt, lora)
         try:
             return await self.replicas[i].add_request(
                 request_id, prompt, params, prompt_token_ids=prompt_token_ids,

@@ -70,6 +70,17 @@ def test_salts_and_partial_blocks_do_not_match():
     assert r.loads[c].prefix_routed == 0
 
 
+def test_a_prefix_under_one_adapter_draws_no_other():
+    r = Router(2, B)
+    a = r.route("a", prompt(1), lora="1")
+    assert r.loads[a].prefix_routed == 0
+    assert r.route("b", prompt(1)) != a  # the base model's prefix is not adapter 1's
+    assert r.route("c", prompt(1), lora="2") == a  # neither is adapter 2's: least loaded
+    assert r.loads[a].prefix_routed == 0
+    assert r.route("d", prompt(1), lora="1") == a  # adapter 1's own prefix draws it home
+    assert r.loads[a].prefix_routed == 1
+
+
 def test_the_memory_of_prefixes_is_bounded():
     r = Router(2, B, max_names=5)
     for i in range(10):

@@ -211,6 +211,44 @@ def test_serve_refuses_lora_options_it_cannot_serve(argv, why, capsys):
     assert why in str(e.value)
 
 
+def test_an_adapter_that_does_not_load_stops_the_server_at_start(setup):
+    """serve.py with --lora-modules naming a bad adapter exits naming it, serving nothing."""
+    srv, _, adapters, _ = setup
+    bad = adapters["a1"].rsplit("/", 1)[0] + "/shapes"
+    argv = ["--model", srv.server.engine.config.model, "--port", "0", "--enable-lora",
+            "--max-lora-rank", "16", "--max-model-len", "128", "--num-kv-blocks", "64",
+            "--lora-modules", f"good={adapters['a1']}", f"bad={bad}"]
+    with pytest.raises(SystemExit) as e:
+        serve_main(argv)
+    assert "lora_modules: 'bad'" in str(e.value) and "shape" in str(e.value)
+
+
+def test_a_server_without_enable_lora_refuses_adapters(setup):
+    srv, _, adapters, _ = setup
+    engine = LLMEngine(EngineConfig(model=srv.server.engine.config.model,
+                                    **ENGINE | {"enable_lora": False}))
+    plain = RunningServer(engine, api_key="k", model_name="base")
+    try:
+        status, text = post(plain, "/v1/load_lora_adapter",
+                            {"lora_name": "a1", "lora_path": adapters["a1"]})
+        error = json.loads(text)["error"]
+        assert status == 400 and "--enable-lora" in error["message"]
+        assert error["param"] == "lora_name"
+        status, text = post(plain, "/v1/completions",
+                            {"model": "a1", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 404 and json.loads(text)["error"]["param"] == "model"
+        with Client("127.0.0.1", plain.port, api_key="k") as c, \
+                pytest.raises(ServerError, match="lora_name"):
+            c.generate(prompt_token_ids=[5, 6, 7], lora_name="a1", max_tokens=2)
+        status, text = post(plain, "/v1/completions",
+                            {"model": "base", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 200
+        with Client("127.0.0.1", plain.port, api_key="k") as c:
+            assert c.stats()["kv_blocks_used"] == 0
+    finally:
+        plain.stop()
+
+
 def test_data_parallel_replicas_each_load_the_adapters(setup):
     """Two replicas: --lora-modules and a runtime load reach both engines, and requests on
     either run the adapter (HF + PEFT's tokens)."""
