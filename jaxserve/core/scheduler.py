@@ -219,6 +219,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.held: list[Sequence] = []  # prefilled beyond the decode slots, waiting for one
+        # taken over by a decode engine, their K/V still arriving (engine/handover.py): their
+        # adapters keep their slots
+        self.arriving: dict[str, Sequence] = {}
         self.num_preemptions = 0
         # The prefix cache's host tier: evicted cached blocks spill to the host pool (not with
         # layer groups, whose pages it does not track apart).
@@ -459,18 +462,22 @@ class Scheduler:
                 device_ids, host_ids = map(list, zip(*spills, strict=True))
                 self._copy(out, True, device_ids, host_ids)
 
-    def take_over(self, seq: Sequence, cached: list[int], loaded: list[int]) -> list[KVCopy]:
+    def take_over(self, seq: Sequence, cached: list[int],
+                  loaded: list[int]) -> SchedulerOutput | None:
         """Blocks for a sequence whose prompt was computed elsewhere (a decode engine's
         handover): `cached` (match_prefix), then new blocks for the host-tier blocks `loaded`
-        (copied in) and for the rest of its prompt (to be filled by the caller). Returns the
-        copies to make before any step reads them."""
+        (copied in) and for the rest of its prompt (to be filled by the caller), and its
+        adapter's slot. Returns the copies and slot loads to make before any step reads
+        them; None (nothing taken) when every slot runs another adapter."""
         out = SchedulerOutput([])
+        if seq.lora_id and not self._take_lora_slot(seq, out):
+            return None
         bm, num_prompt = self.block_manager, seq.num_prompt_tokens
         bm.take_prefix(seq, cached, num_prompt)
         if loaded:
             self._load_from_host(seq, loaded, out)
         self._allocate(seq, num_prompt, out)
-        return out.copies
+        return out
 
     def match_host(self, seq: Sequence, num_cached: int) -> list[int]:
         """Host-tier blocks holding `seq`'s prompt blocks past its first `num_cached`."""
@@ -526,7 +533,8 @@ class Scheduler:
         """Give `seq` its adapter's device slot (recording the weights to write there when
         the slot is new to it); False when every slot holds an adapter an admitted sequence
         (or one of `admitting`) runs."""
-        in_use = {s.lora_id for s in itertools.chain(self.running, self.held, admitting)}
+        in_use = {s.lora_id for s in itertools.chain(self.running, self.held,
+                                                      self.arriving.values(), admitting)}
         got = self.lora_slots.acquire(seq.lora_id, in_use)
         if got is None:
             return False

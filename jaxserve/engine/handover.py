@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.engine.postprocess import SeqUpdate
@@ -70,6 +71,7 @@ class Handover:
     def forget(self, request_id: str) -> None:
         self.parked.pop(request_id, None)
         self.receiving.pop(request_id, None)
+        self.engine.scheduler.arriving.pop(request_id, None)
 
     # ------------------------------------------------------------------------- prefill side
 
@@ -102,15 +104,18 @@ class Handover:
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 first_token: int, first_logprob: dict | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> Reservation:
+                cache_salt: str | None = None,
+                lora_request: LoRARequest | None = None) -> Reservation:
         """Take the request over with its first token and reserve its prompt's blocks. Raises
-        ValueError for a bad field, NoRoom when the pool or the sequence slots are short."""
+        ValueError for a bad field, NoRoom when the pool or the sequence slots are short.
+        `lora_request`: the adapter it runs under, read here the first time one names it."""
         e = self.engine
         if params.n != 1:
             raise ValueError(f"n: a decode engine takes one sample per request, got {params.n}")
         e._check_vocab("first_token", [first_token])
         seq = e._add_request(request_id, None, params, prompt_token_ids, priority,
-                             time.perf_counter(), cache_salt, admit=False)[0]
+                             time.perf_counter(), cache_salt, admit=False,
+                             lora_request=lora_request)[0]
         bm, num_prompt = e.block_manager, len(seq.prompt_token_ids)
         update = SeqUpdate(seq, [], "", False)
         e.postprocessor._append(seq, int(first_token), time.perf_counter(), first_logprob,
@@ -126,14 +131,19 @@ class Handover:
         short = (bm.num_blocks_taken_from_free(cached) + need - len(cached)
                  > bm.num_free_blocks)
         busy = len(e.scheduler.running) + len(self.receiving) >= e.config.max_num_seqs
-        if short or busy:
+        out = None if short or busy else e.scheduler.take_over(seq, cached, loaded)
+        if out is None:
             e.requests.pop(request_id, None)
             e._prompts.pop(request_id, None)
             self.stats.num_refused += 1
             what = (f"{need - len(cached)} free KV blocks" if short
-                    else f"a sequence slot (max_num_seqs={e.config.max_num_seqs})")
+                    else f"a sequence slot (max_num_seqs={e.config.max_num_seqs})" if busy
+                    else f"a LoRA slot (max_loras={e.config.max_loras})")
             raise NoRoom(f"the decode engine has no room now: needs {what}")
-        e.run_copies(e.scheduler.take_over(seq, cached, loaded))
+        e.run_copies(out.copies)
+        if out.lora_loads:  # read by _add_request just now: held on the host
+            e._load_loras(out)
+        e.scheduler.arriving[request_id] = seq
         have = len(cached) + len(loaded)
         r = self.receiving[request_id] = Reservation(seq, have, need - have)
         self.stats.blocks_cached += have
@@ -152,6 +162,7 @@ class Handover:
         """Scatter the pulled K/V into the reserved blocks and start decoding; False if the
         request ended meanwhile (its blocks went back then)."""
         r = self.receiving.pop(request_id, None)
+        self.engine.scheduler.arriving.pop(request_id, None)
         if r is None:
             return False
         e, seq = self.engine, r.seq

@@ -726,8 +726,7 @@ class ModelRunner:
         why = ("expert_parallel_size 1" if config.expert_parallel_size > 1 else
                "tensor parallelism whose size divides the kv heads"
                if (mc.num_heads, mc.num_kv_heads) != (model.num_heads, model.num_kv_heads) else
-               "one process" if jax.process_count() > 1 else
-               f"role={Role.BOTH.value}" if config.role is not Role.BOTH else None)
+               "one process" if jax.process_count() > 1 else None)
         if why is not None:
             raise ValueError(f"enable_lora: adapters are served with {why} only")
 

@@ -82,17 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     engine_config, server_config = split_config(args)
     front = from_options(FrontConfig, args)
     try:  # refused here, before the model loads
-        check_lora_options(engine_config.enable_lora, server_config.lora_modules,
-                           front.is_front)
+        check_lora_options(engine_config.enable_lora, server_config.lora_modules)
     except ValueError as e:
         raise SystemExit(f"serve.py: error: {e}") from None
     if front.is_front:  # the engines run elsewhere: serve the clients and route to them
+        model = FrontModel(engine_config)
         remote = DisaggSet(list(front.prefill_engines or ()), list(front.decode_engines or ()),
                            engine_config.block_size, server_config.max_queue_per_request,
                            prefix_aware=engine_config.enable_prefix_caching,
                            api_key=server_config.api_key,
-                           connect_timeout_s=front.engine_connect_timeout_s)
-        asyncio.run(serve(FrontModel(engine_config), server_config, remote=remote))
+                           connect_timeout_s=front.engine_connect_timeout_s,
+                           read_adapter=model.read_adapter)
+        asyncio.run(serve(model, server_config, remote=remote))
         return 0
     dist = distributed.initialize(from_options(DistributedConfig, args))
     if dist.is_multiprocess and engine_config.data_parallel_size > 1:

@@ -14,7 +14,8 @@ import hmac
 import itertools
 import time
 
-from jaxserve.config import option
+from jaxserve.config import Role, option
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import data_parallel
@@ -113,10 +114,10 @@ class ServingCore:
 
             self.replicas = ReplicaSet(engines, router, self.config.max_queue_per_request,
                                        on_step)
-        check_lora_options(self.engine.config.enable_lora, self.config.lora_modules,
-                           remote is not None)
+        check_lora_options(self.engine.config.enable_lora, self.config.lora_modules)
         self.loras = ServerLoRAs(self.replicas, self.config.model_name,
-                                 self.engine.config.enable_lora, self.config.lora_allowed_dir)
+                                 self.engine.config.enable_lora, self.config.lora_allowed_dir,
+                                 role_engine=self.engine.config.role is not Role.BOTH)
         self.draining = False
         self._ids = itertools.count()
         self.stall_watch = StallWatch(self.config.write_stall_timeout_s)
@@ -132,8 +133,9 @@ class ServingCore:
         self.stall_watch.start()
 
     async def load_lora_modules(self) -> None:
-        """Load `lora_modules` on every engine; ValueError naming the entry that fails."""
-        for text in self.config.lora_modules or ():
+        """Load `lora_modules` on every engine; ValueError naming the entry that fails. A
+        prefill or decode engine loads none: its front names them (serving/loras.py)."""
+        for text in () if self.loras.role_engine else self.config.lora_modules or ():
             m = parse_lora_module(text)
             try:
                 await self.loras.load(m.name, m.path, m.base_model_name)
@@ -215,11 +217,13 @@ class ServingCore:
 
     async def submit(self, engine_id: str, prompt, prompt_token_ids, params,
                      priority: int = 0, cache_salt: str | None = None,
-                     pooling: str | None = None, model: str | None = None) -> RequestStream:
+                     pooling: str | None = None, model: str | None = None,
+                     lora: LoRARequest | None = None) -> RequestStream:
         """`pooling`: an embedding request (engines in this process only). `model`: the
         base model's name or a loaded adapter's (LoRAError 404 for neither), looked up in the
-        same turn of the event loop that queues the request (see serving/loras.py)."""
-        lora = self.loras.resolve(model)
+        same turn of the event loop that queues the request (see serving/loras.py); `lora`:
+        the adapter itself instead (a role engine's, as its front named it)."""
+        lora = lora if lora is not None else self.loras.resolve(model)
         extra = {} if pooling is None else {"pooling": pooling}
         if lora is not None:
             extra["lora_request"] = lora

@@ -23,21 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.config import EngineConfig, option
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.core.router import Router
 from jaxserve.core.sampling_params import SamplingParams, fold_seed
 from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.models.loader import load_model
+from jaxserve.models.lora import load_adapter
 from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.protocol import ProtocolError, encode, logprob_from_wire, read_frame
 
@@ -204,11 +208,17 @@ class _Sample:
 
 class _Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams, stream: RequestStream, owner: DisaggSet):
+                 params: SamplingParams, stream: RequestStream, owner: DisaggSet,
+                 lora: LoRARequest | None = None):
         self.id = request_id
         self.owner = owner
         self.prompt = prompt
         self.prompt_ids = prompt_ids
+        self.lora = lora
+        # the adapter as every frame to an engine names it (serving/loras.py)
+        self.lora_fields = {} if lora is None else {
+            "lora_name": lora.lora_name, "lora_int_id": lora.lora_int_id,
+            "lora_path": lora.lora_path}
         self.stream = stream
         self.metrics = RequestMetrics(request_id, time.perf_counter(), len(prompt_ids))
         n = params.n
@@ -254,7 +264,10 @@ class DisaggSet:
 
     def __init__(self, prefill: list[str], decode: list[str], block_size: int,
                  max_queue_per_request: int, *, prefix_aware: bool = True,
-                 api_key: str | None = None, connect_timeout_s: float = 600.0):
+                 api_key: str | None = None, connect_timeout_s: float = 600.0,
+                 read_adapter: Callable[[str], Any] | None = None):
+        """`read_adapter`: reads and checks a LoRA adapter from its path (FrontModel's);
+        None: this front serves none."""
         if not prefill or not decode:
             raise ValueError("prefill_engines and decode_engines: give at least one address "
                              "of each")
@@ -265,6 +278,7 @@ class DisaggSet:
         self.router = Router(len(prefill), block_size, prefix_aware=prefix_aware)
         self.max_queue_per_request = max_queue_per_request
         self.connect_timeout_s = connect_timeout_s
+        self.read_adapter = read_adapter
         self.counts = HandoverCounts()
         self.tokens_after_disconnect = 0
         self._live: dict[str, _Request] = {}
@@ -303,7 +317,8 @@ class DisaggSet:
 
     async def add_request(self, request_id: str, prompt: str | None, params, *,
                           prompt_token_ids: list[int] | None = None, priority: int = 0,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Start the request's prompt on a prefill engine and return its stream once the first
         token (or a refusal: ValueError, QueueFullError) is back."""
         if prompt_token_ids is None:
@@ -312,7 +327,8 @@ class DisaggSet:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                self.max_queue_per_request)
-        req = _Request(request_id, prompt, list(prompt_token_ids), params, stream, self)
+        req = _Request(request_id, prompt, list(prompt_token_ids), params, stream, self,
+                       lora_request)
         self._live[request_id] = req
         try:
             firsts = await asyncio.gather(*(self._prefill(req, s, priority, cache_salt)
@@ -339,6 +355,21 @@ class DisaggSet:
 
     async def num_unfinished(self) -> int:
         return len(self._live)
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Check the adapter here (ValueError naming why); the engines read it when a frame
+        first names it."""
+        if self.read_adapter is None:
+            raise ValueError("lora_request: this front serves no adapters (enable_lora is off)")
+        await asyncio.to_thread(self.read_adapter, lora.lora_path)
+
+    async def lora_in_use(self, lora_id: int) -> bool:
+        return any(r.lora is not None and r.lora.lora_int_id == lora_id
+                   for r in self._live.values())
+
+    async def remove_lora(self, lora_id: int) -> None:
+        """Nothing to do on the engines: no frame names the adapter again, and their host
+        copies go least recently used first."""
 
     async def abort_all(self) -> None:
         for rid in list(self._live):
@@ -376,13 +407,14 @@ class DisaggSet:
         self.router.down.update(i for i, x in enumerate(self.prefill) if not x.alive)
         if len(self.router.down) == len(self.prefill):
             return asyncio.Queue(), {"type": "error", "message": "no prefill engine is up"}
-        link = self.prefill[self.router.route(eid, req.prompt_ids, salt)]
+        lora = None if req.lora is None else str(req.lora.lora_int_id)
+        link = self.prefill[self.router.route(eid, req.prompt_ids, salt, lora)]
         s.prefill = link
         q = link.open(eid)
         try:
             link.send({"type": "generate", "id": eid, "prompt_token_ids": req.prompt_ids,
                        "params": _wire(s.params), "priority": priority, "stream": True,
-                       "cache_salt": salt})
+                       "cache_salt": salt, **req.lora_fields})
         except ConnectionError:
             return q, _GONE
         first = await q.get()
@@ -455,7 +487,7 @@ class DisaggSet:
         waited = False
         frame = {"type": "accept", "id": eid, "prompt_token_ids": req.prompt_ids,
                  "params": _wire(s.params), "priority": priority, "stream": True,
-                 "cache_salt": salt, "first_token": s.token_ids[0]}
+                 "cache_salt": salt, "first_token": s.token_ids[0], **req.lora_fields}
         if s.logprobs:
             frame["first_logprob"] = {"logprob": s.logprobs[0]["logprob"], "top": [
                 [t, lp] for t, lp in s.logprobs[0]["top"].items()]}
@@ -600,6 +632,9 @@ class FrontModel:
         self.loaded.params = None  # the front runs no model: only the config and tokenizer
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        self.read_adapter = (functools.partial(load_adapter, cfg=self.model_config,
+                                               max_rank=self.config.max_lora_rank)
+                             if self.config.enable_lora else None)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

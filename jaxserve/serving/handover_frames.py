@@ -10,8 +10,8 @@
     {"type": "release", "id"}   (pulled: its blocks go back; a "done" frame with
                                  finish_reason "handover" ends it)
   decode:
-    {"type": "accept", ...the fields of "generate"..., "first_token": int,
-     "first_logprob": entry (params.logprobs set)}
+    {"type": "accept", ...the fields of "generate" (its adapter named in full)...,
+     "first_token": int, "first_logprob": entry (params.logprobs set)}
         -> {"type": "reserved", "id", "first_block", "num_blocks"}, or an error "no_room"
     {"type": "pull", "id", "address", "uuid"}
         -> {"type": "pulled", "id", "bytes", "seconds"}, then its "token" and "done" frames
@@ -25,6 +25,7 @@ import time
 
 from jaxserve.config import Role
 from jaxserve.engine.handover import NoRoom
+from jaxserve.serving.loras import LoRAError
 from jaxserve.serving.protocol import ProtocolError, logprob_from_wire, parse_generate
 
 PULL_TIMEOUT_S = 60.0  # an offer not pulled by then is dropped; a pull waits no longer
@@ -88,8 +89,13 @@ class HandoverFrames:
             first = _int(msg, "first_token")
             first_lp = msg.get("first_logprob")
             first_lp = logprob_from_wire(first_lp) if isinstance(first_lp, dict) else None
+            lora = (None if req.lora_path is None else
+                    self.core.loras.named(req.lora_name, req.lora_int_id, req.lora_path))
         except ProtocolError as e:
             conn.error(e.code, e.message, e.request_id)
+            return
+        except LoRAError as e:
+            conn.error("invalid_field", str(e), req.id)
             return
         if req.id in conn.active:
             conn.error("duplicate_id", f"id {req.id!r} is already active on this connection",
@@ -101,7 +107,7 @@ class HandoverFrames:
             stream, r = await self.core.replicas.take_over(
                 engine_id, prompt_token_ids=req.prompt_token_ids, params=req.params,
                 first_token=first, first_logprob=first_lp, priority=req.priority,
-                cache_salt=req.cache_salt)
+                cache_salt=req.cache_salt, lora_request=lora)
         except (NoRoom, ValueError) as e:  # no_room: the front waits or goes elsewhere
             conn.active.pop(req.id, None)
             conn.error("no_room" if isinstance(e, NoRoom) else "invalid_request", str(e), req.id)

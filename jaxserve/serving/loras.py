@@ -2,10 +2,15 @@
 unloaded while it serves (/v1/load_lora_adapter, /v1/unload_lora_adapter).
 
 Every replica's engine knows every adapter: loads and unloads run on the engine threads
-between steps (ReplicaSet.call_all), like any other engine operation. A request's adapter
-name is looked up in the same event-loop turn that queues the request, and an unload takes
-the name away before it asks the engines, so no request can reach an engine with an adapter
-that is being removed.
+between steps (ReplicaSet.add_lora, remove_lora), like any other engine operation. A request's
+adapter name is looked up in the same event-loop turn that queues the request, and an unload
+takes the name away before it asks the engines, so no request can reach an engine with an
+adapter that is being removed.
+
+Under prefill/decode disaggregation the front keeps the names (it reads each adapter once to
+check it) and every frame it sends an engine names the adapter in full: name, id and path
+(`named`); a prefill or decode engine reads it the first time a frame names it, keeping up to
+max_cpu_loras on the host like any engine.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 
 from jaxserve.core.lora import LoRARequest
 
@@ -54,11 +60,8 @@ def parse_lora_module(text: str) -> LoRAModule:
     return LoRAModule(name, path)
 
 
-def check_lora_options(enable_lora: bool, lora_modules, is_front: bool) -> None:
+def check_lora_options(enable_lora: bool, lora_modules) -> None:
     """ValueError naming the option where the server's adapters cannot be served."""
-    if is_front and (enable_lora or lora_modules):
-        raise ValueError("lora_modules / enable_lora: LoRA adapters are not served through a "
-                         "disaggregated front (prefill/decode engines refuse enable_lora)")
     if lora_modules and not enable_lora:
         raise ValueError("lora_modules: LoRA adapters need --enable-lora")
 
@@ -67,17 +70,21 @@ class ServerLoRAs:
     """The adapters a server's requests may name, kept in step with its engines."""
 
     def __init__(self, replicas, base_model_name: str, enabled: bool,
-                 allowed_dir: str | None = None):
-        """`replicas`: a ReplicaSet (its call_all runs a function on every engine thread);
-        `enabled`: the engines have enable_lora."""
+                 allowed_dir: str | None = None, role_engine: bool = False):
+        """`replicas`: a ReplicaSet or a DisaggSet (add_lora, lora_in_use, remove_lora);
+        `enabled`: the engines have enable_lora; `role_engine`: a prefill or decode engine,
+        whose front names each request's adapter in full (`named`)."""
         self.replicas = replicas
         self.base_model_name = base_model_name
         self.enabled = enabled
         self.allowed_dir = None if allowed_dir is None else os.path.realpath(allowed_dir)
+        self.role_engine = role_engine
         self.loaded: dict[str, LoRARequest] = {}
         self.parents: dict[str, str] = {}  # adapter name -> the model /v1/models says it adapts
         self._loading: set[str] = set()  # names being loaded: a second load of one is refused
-        self._ids = itertools.count(1)  # lora_int_id, never reused
+        # lora_int_id, never reused; from a random start, so engines that outlive a front
+        # never meet one id meaning two adapters
+        self._ids = itertools.count(random.randrange(1, 1 << 30))
 
     def get(self, name: str) -> LoRARequest | None:
         return self.loaded.get(name)
@@ -108,19 +115,13 @@ class ServerLoRAs:
             raise LoRAError(f"lora_name {name!r} is the base model's name", "lora_name")
         if name in self.loaded or name in self._loading:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        if self.allowed_dir is not None:
-            real = os.path.realpath(path)
-            if os.path.commonpath([real, self.allowed_dir]) != self.allowed_dir:
-                raise LoRAError(f"lora_path {path!r} is outside the server's "
-                                f"--lora-allowed-dir", "lora_path")
+        self._check_allowed(path)
         lora = LoRARequest(name, next(self._ids), path)
         self._loading.add(name)
         try:
-            results = await self.replicas.call_all(lambda e: _try(e.add_lora, lora))
-            errors = [r for r in results if isinstance(r, Exception)]
-            if errors:  # undo where it was taken
-                await self.replicas.call_all(lambda e: e.remove_lora(lora.lora_int_id))
-                raise LoRAError(str(errors[0]), "lora_path") from None
+            await self.replicas.add_lora(lora)
+        except ValueError as e:
+            raise LoRAError(str(e), "lora_path") from None
         finally:
             self._loading.discard(name)
         self.loaded[name] = lora
@@ -137,19 +138,32 @@ class ServerLoRAs:
         if lora is None:
             raise LoRAError(f"The lora adapter '{name}' cannot be found.", "lora_name")
         # No new request can name it now; those queued before are seen by this check.
-        lid = lora.lora_int_id
-        busy = await self.replicas.call_all(lambda e: e.is_lora_in_use(lid))
-        if any(busy):
+        if await self.replicas.lora_in_use(lora.lora_int_id):
             self.loaded[name] = lora
             raise LoRAError(f"LoRA adapter {name!r} is in use by unfinished requests; unload "
                             f"it when they are done", "lora_name", 409)
-        await self.replicas.call_all(lambda e: e.remove_lora(lid))
+        await self.replicas.remove_lora(lora.lora_int_id)
         self.parents.pop(name, None)
 
+    def named(self, name: str, lora_int_id, path) -> LoRARequest:
+        """A prefill or decode engine's adapter as its front's frame names it (name, id,
+        path); LoRAError naming the field where this engine takes no such frame."""
+        if not self.role_engine:
+            raise LoRAError("lora_path: only a prefill or decode engine takes an adapter's "
+                            "path in a frame (from its front); name a loaded adapter",
+                            "lora_path")
+        if not self.enabled:
+            raise LoRAError("LoRA adapters are off: start the engine with --enable-lora",
+                            "lora_name")
+        self._check_allowed(path)
+        try:
+            return LoRARequest(name, lora_int_id, path)
+        except ValueError as e:
+            raise LoRAError(str(e), str(e).split()[0]) from None
 
-def _try(fn, *args):
-    """fn(*args), or the ValueError it raised (so every replica is tried and undone alike)."""
-    try:
-        return fn(*args)
-    except ValueError as e:
-        return e
+    def _check_allowed(self, path: str) -> None:
+        if self.allowed_dir is not None:
+            real = os.path.realpath(path)
+            if os.path.commonpath([real, self.allowed_dir]) != self.allowed_dir:
+                raise LoRAError(f"lora_path {path!r} is outside the server's "
+                                f"--lora-allowed-dir", "lora_path")

@@ -7,7 +7,9 @@ with a string "type". Client frames:
     {"type": "generate", "id": str, "prompt": str | "prompt_token_ids": [int],
      "params": {...SamplingParams fields, by name...}, "priority": int, "stream": bool,
      "cache_salt": str (prefix-cache blocks are shared only under the same salt),
-     "lora_name": str (a loaded LoRA adapter it runs under; absent: the base model)}
+     "lora_name": str (a loaded LoRA adapter it runs under; absent: the base model),
+     "lora_int_id": int, "lora_path": str (with lora_name: the adapter named in full, as a
+                   disaggregated front names it to its prefill and decode engines only)}
     {"type": "abort", "id": str}
     {"type": "health"}        {"type": "stats"}
 
@@ -110,6 +112,8 @@ class GenerateRequest:
     stream: bool
     cache_salt: str | None = None
     lora_name: str | None = None
+    lora_int_id: int | None = None  # with lora_path: the adapter as a front names it
+    lora_path: str | None = None
 
 
 def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
@@ -150,7 +154,16 @@ def parse_generate(msg: dict[str, Any]) -> GenerateRequest:
     lora_name = msg.get("lora_name")
     if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
         raise bad("lora_name", "must be a non-empty string")
-    return GenerateRequest(rid, prompt, ids, params, priority, stream, salt, lora_name)
+    lora_id, lora_path = msg.get("lora_int_id"), msg.get("lora_path")
+    if (lora_id is None) != (lora_path is None) or (lora_path is not None and lora_name is None):
+        raise bad("lora_path", "lora_name, lora_int_id and lora_path come together")
+    if lora_id is not None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)
+                                or lora_id < 1):
+        raise bad("lora_int_id", "must be a positive int")
+    if lora_path is not None and (not isinstance(lora_path, str) or not lora_path):
+        raise bad("lora_path", "must be a non-empty string")
+    return GenerateRequest(rid, prompt, ids, params, priority, stream, salt, lora_name,
+                           lora_id, lora_path)
 
 
 def logprob_from_wire(entry: dict | None) -> dict | None:

@@ -89,6 +89,25 @@ class ReplicaSet:
 
     # What the serving core asks of any set of engines (serving/disagg.py has the other).
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check the adapter on every engine: ValueError (the first engine's) with
+        it taken back from every engine."""
+        def add(engine):
+            try:
+                return engine.add_lora(lora)
+            except ValueError as e:  # every replica is tried and undone alike
+                return e
+        errors = [r for r in await self.call_all(add) if isinstance(r, Exception)]
+        if errors:
+            await self.remove_lora(lora.lora_int_id)
+            raise errors[0]
+
+    async def lora_in_use(self, lora_id: int) -> bool:
+        return any(await self.call_all(lambda e: e.is_lora_in_use(lora_id)))
+
+    async def remove_lora(self, lora_id: int) -> None:
+        await self.call_all(lambda e: e.remove_lora(lora_id))
+
     async def connect(self) -> None:
         pass
 

@@ -244,8 +244,10 @@ class SocketFront:
             if conn.closed:
                 conn.active.pop(req.id, None)
                 return
+            lora = (None if req.lora_path is None else
+                    self.core.loras.named(req.lora_name, req.lora_int_id, req.lora_path))
             stream = await self.core.submit(engine_id, req.prompt, ids, req.params, req.priority,
-                                            req.cache_salt, model=req.lora_name)
+                                            req.cache_salt, model=req.lora_name, lora=lora)
         except LimitError as e:
             conn.active.pop(req.id, None)
             conn.error("limit_exceeded", str(e), req.id)
@@ -254,10 +256,13 @@ class SocketFront:
             conn.active.pop(req.id, None)
             conn.error("queue_full", str(e), req.id)
             return
-        except LoRAError:
+        except LoRAError as e:
             conn.active.pop(req.id, None)
-            conn.error("not_found", f"lora_name: no LoRA adapter {req.lora_name!r} is loaded",
-                       req.id)
+            if e.status == 404:
+                conn.error("not_found", f"lora_name: no LoRA adapter {req.lora_name!r} is "
+                                        f"loaded", req.id)
+            else:
+                conn.error("invalid_field", str(e), req.id)
             return
         except ValueError as e:
             conn.active.pop(req.id, None)

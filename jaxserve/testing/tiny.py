@@ -18,7 +18,8 @@ def write_tiny_llama(d, vocab_size: int = 512, seed: int = 0, **sizes) -> str:
     from jaxserve.models.loader import expected_hf_shapes
 
     d = pathlib.Path(d)
-    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=vocab_size, hidden_size=64,
+    hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab_size,
+              hidden_size=64,
               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
               rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)

@@ -26,7 +26,8 @@ import pytest
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.launch import free_port
 from jaxserve.runtime.kv_cache import bytes_per_block
-from jaxserve.serving.client import Client
+from jaxserve.serving.client import Client, ServerError
+from jaxserve.testing.oracle import LORA_CONFIGS, load_hf_model, make_peft_adapter, peft_greedy
 from tests.helpers import run_all
 
 openai = pytest.importorskip("openai")
@@ -37,7 +38,8 @@ PROMPTS = [SYSTEM + [11, 12, 13], SYSTEM + [21, 22], [5, 6, 7, 8, 9, 10, 11, 12,
 MAX_TOKENS = 12
 # Long answers (LONG tokens) keep a decode engine busy long enough to kill something meanwhile.
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=2048, num_kv_blocks=600,
-              block_size=8, token_buckets=(16, 32), seq_buckets=(2,), block_buckets=(256,))
+              block_size=8, token_buckets=(16, 32), seq_buckets=(2,), block_buckets=(256,),
+              kv_cache_dtype="float32")
 LONG = 1500
 
 
@@ -108,8 +110,21 @@ class Launched:
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_llama_dir):
-    run = Launched(tiny_llama_dir)
+def adapters(tiny_llama_dir, tmp_path_factory):
+    """(HF model, {name: PEFT adapter directory}) of two adapters for the tiny Llama."""
+    pytest.importorskip("peft")
+    hf = load_hf_model(tiny_llama_dir)
+    root = tmp_path_factory.mktemp("disagg-adapters")
+    return hf, {f"a{i}": make_peft_adapter(hf, str(root / f"a{i}"), seed=i, **conf)
+                for i, conf in enumerate(LORA_CONFIGS[:2], 1)}
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_llama_dir, adapters):
+    """Two prefill and two decode engines serving the tiny Llama and adapter a1."""
+    run = Launched(tiny_llama_dir, serve=("--enable-lora", "--max-loras", "2",
+                                          "--max-lora-rank", "16",
+                                          "--lora-modules", f"a1={adapters[1]['a1']}"))
     yield run
     with Client(port=run.port) as c:  # the front holds nothing once every request ended
         stats = c.stats()
@@ -202,6 +217,39 @@ def test_decode_side_hits_its_prefix_cache_and_metrics_show_handovers(launched, 
     assert after["jaxserve_handover_bytes_total"] > before["jaxserve_handover_bytes_total"]
     assert 0 < after["jaxserve_handover_last_seconds"] < 5
     assert after["jaxserve_handover_seconds_total"] > before["jaxserve_handover_seconds_total"]
+
+
+def test_adapters_run_on_both_sides_of_the_handover(launched, adapters):
+    """a1 from --lora-modules and a2 loaded at runtime through the front, mixed with base
+    requests: HF + PEFT's greedy tokens. A prefix cached under the base model is not found
+    by name for an adapter's request on the decode side; a2 unloaded is refused by name."""
+    hf, dirs = adapters
+    client = launched.client()
+    assert {m.id for m in client.models.list().data} == {"jaxserve", "a1"}
+    load = urllib.request.Request(launched.url + "/v1/load_lora_adapter", method="POST",
+                                  data=json.dumps({"lora_name": "a2",
+                                                   "lora_path": dirs["a2"]}).encode())
+    assert urllib.request.urlopen(load).status == 200
+    runs = [(PROMPTS[2], "a1"), (PROMPTS[3], "a2"), (PROMPTS[2], None), (PROMPTS[1], "a2")]
+    want = [t for t, _ in peft_greedy(hf, dirs, runs, MAX_TOKENS)]
+
+    def generate(run) -> list[int]:
+        with Client(port=launched.port) as c:
+            return c.generate(prompt_token_ids=run[0], lora_name=run[1], max_tokens=MAX_TOKENS,
+                              temperature=0, ignore_eos=True)["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        assert list(pool.map(generate, runs)) == want
+    _ask(client, SYSTEM + [60, 61], False)  # the base model's system prompt, decoded
+    before = launched.metrics()["jaxserve_handover_blocks_cached_total"]
+    generate((SYSTEM + [60, 61], "a1"))
+    assert launched.metrics()["jaxserve_handover_blocks_cached_total"] == before
+    unload = urllib.request.Request(launched.url + "/v1/unload_lora_adapter", method="POST",
+                                    data=json.dumps({"lora_name": "a2"}).encode())
+    assert urllib.request.urlopen(unload).status == 200
+    with Client(port=launched.port) as c, pytest.raises(ServerError, match="lora_name"):
+        c.generate(prompt_token_ids=PROMPTS[3], lora_name="a2", max_tokens=2)
+    _all_blocks_back(launched, ["prefill-0", "prefill-1", "decode-0", "decode-1"])
 
 
 def _all_blocks_back(launched, engines: list[str]) -> None:

@@ -201,9 +201,7 @@ def test_the_endpoints_need_the_api_key(setup, client):
     (["--lora-modules", "a=/x"], "enable-lora"),
     (["--lora-modules", "a"], "name=path"),
     (["--lora-modules", '{"name": "a"}'], "path"),
-    (["--lora-modules", "a=/x", "a=/y", "--enable-lora"], "differ"),
-    (["--enable-lora", "--prefill-engines", "h:1", "--decode-engines", "h:2"],
-     "disaggregated")])
+    (["--lora-modules", "a=/x", "a=/y", "--enable-lora"], "differ")])
 def test_serve_refuses_lora_options_it_cannot_serve(argv, why, capsys):
     """Before any model loads."""
     with pytest.raises(SystemExit) as e:
