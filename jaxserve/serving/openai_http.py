@@ -31,25 +31,11 @@ from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving import embeddings, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
+from jaxserve.serving.http_common import ApiError, typed_event
 from jaxserve.serving.loras import LoRAError
 from jaxserve.serving.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = (status, message, param,
-                                                                       kind, code)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
 
 
 _KEYED = ("/v1/", "/tokenize", "/detokenize")  # the routes behind the API key
@@ -561,7 +547,7 @@ class _Api:
                 comp = out.outputs[0]
                 return builder.feed(comp.new_text, final=comp.finish_reason is not None)
             return await self._sse(request, engine_id, stream, chunk, builder.start(),
-                                   end=finish, error=builder.error, encode=_typed_event,
+                                   end=finish, error=builder.error, encode=typed_event,
                                    done=b"")
         out = await self._collect(request, engine_id, stream)
         builder.feed(out.outputs[0].text, final=True)
@@ -779,11 +765,6 @@ def _lora_error(e: LoRAError) -> ApiError:
 
 def _event(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
-
-
-def _typed_event(obj: dict) -> bytes:
-    """An event of a typed stream (the Responses API): its type on the event line too."""
-    return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
 
 
 def _usage_chunk(base: dict):
