@@ -807,7 +807,7 @@ def _call_json(call: dict) -> dict:
 def _call_deltas(parser: tools.CallParser, comp) -> list[dict]:
     """A choice's new text as chat deltas: text as content; a call as OpenAI streams one, a
     delta with its index, id, type and name, then one with its arguments."""
-    events = parser.feed(comp.new_text) + (parser.finish() if comp.finish_reason else [])
+    events = tools.text_events(parser, comp.new_text, bool(comp.finish_reason))
     deltas, k = [], parser.num_calls - sum(kind == "call" for kind, _ in events)
     for kind, e in events:
         if kind == "text":
