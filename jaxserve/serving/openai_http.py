@@ -2,12 +2,12 @@
 `stream: true` as server-sent events; chat with tool calls), /v1/responses (stored responses
 readable and deletable by id), /v1/embeddings (serving/embeddings.py), /v1/models,
 /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/loras.py), /health, /metrics
-(Prometheus text).
+(Prometheus text); Anthropic's /v1/messages on the same helpers (serving/anthropic.py).
 
-Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for bad
-fields, 401 for a missing or wrong key, 404 for an unknown model or route, 409 for unloading
-a LoRA adapter that requests still run, 429 when the waiting queue is full, 503 while shutting
-down.
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}} (Anthropic's on its
+routes), with 400 for bad fields, 401 for a missing or wrong key, 404 for an unknown model or
+route, 409 for unloading a LoRA adapter that requests still run, 429 when the waiting queue is
+full, 503 while shutting down.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jaxserve import __version__
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
-from jaxserve.serving import embeddings, responses, tools
+from jaxserve.serving import anthropic, embeddings, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 from jaxserve.serving.http_common import ApiError, typed_event
@@ -71,6 +71,7 @@ def build_app(server: ServingCore) -> web.Application:
     app.router.add_post("/tokenize", api.tokenize)
     app.router.add_post("/detokenize", api.detokenize)
     app.router.add_get("/metrics", api.metrics)
+    anthropic.add_routes(app, api)  # /v1/messages, /v1/messages/count_tokens
     return app
 
 
@@ -87,23 +88,27 @@ class _Api:
             if request.path.startswith(_KEYED) or (request.path == "/metrics"
                                                    and not self.server.config.public_metrics):
                 auth = request.headers.get("Authorization", "")
-                key = auth[7:] if auth.startswith("Bearer ") else None
+                # Bearer, or Anthropic's header
+                key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key")
                 if not self.server.authorized(key):
                     raise ApiError(401, "invalid or missing API key", kind="authentication_error",
                                    code="invalid_api_key")
             return await handler(request)
         except ApiError as e:
-            return e.response()
+            error = e
         except web.HTTPException as e:
             if e.status == 404:
-                return ApiError(404, f"no route {request.method} {request.path}",
-                                kind="not_found_error").response()
-            if e.status == 405:
-                return ApiError(405, f"method {request.method} not allowed on {request.path}",
-                                kind="invalid_request_error").response()
-            if e.status == 413:
-                return ApiError(413, "request body too large").response()
-            raise
+                error = ApiError(404, f"no route {request.method} {request.path}",
+                                 kind="not_found_error")
+            elif e.status == 405:
+                error = ApiError(405, f"method {request.method} not allowed on {request.path}",
+                                 kind="invalid_request_error")
+            elif e.status == 413:
+                error = ApiError(413, "request body too large")
+            else:
+                raise
+        return (anthropic.error_response(error) if anthropic.serves(request.path)
+                else error.response())
 
     # ------------------------------------------------------------------------------ helpers
 
