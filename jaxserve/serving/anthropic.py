@@ -166,19 +166,19 @@ def tool_choice(body: dict) -> tools.ToolChoice | None:
     """`tools` (custom tools: name, description, input_schema) and `tool_choice`; None
     without tools. Raises ToolError."""
     raw, choice = body.get("tools"), body.get("tool_choice")
-    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in _CHOICES
-                                   and isinstance(choice.get("disable_parallel_tool_use",
-                                                             False), bool)):
+    choice = {"type": "auto"} if choice is None else choice
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if not (isinstance(kind, str) and kind in _CHOICES
+            and isinstance(choice.get("disable_parallel_tool_use", False), bool)):
         raise tools.ToolError('tool_choice must be {"type": "auto" | "any" | "tool" (with '
                               'name) | "none"} (disable_parallel_tool_use a boolean)',
                               "tool_choice")
-    kind = choice["type"] if choice else "auto"
     if raw is None or raw == []:
         if kind in ("any", "tool"):
             raise tools.ToolError("tool_choice needs tools", "tool_choice")
         return None
     found = tools.tool_list(raw, _tool)
-    parallel = not (choice or {}).get("disable_parallel_tool_use", False)
+    parallel = not choice.get("disable_parallel_tool_use", False)
     if kind != "tool":
         return tools.ToolChoice(found, _CHOICES[kind], parallel=parallel)
     name = choice.get("name")
@@ -220,7 +220,7 @@ def _message(m: Any, where: str) -> list[dict]:
     if not isinstance(m, dict):
         raise ApiError(400, f"{where} must be an object with role and content", param="messages")
     role, content = m.get("role"), m.get("content")
-    if role not in _BLOCKS:
+    if not isinstance(role, str) or role not in _BLOCKS:
         raise ApiError(400, f"{where}.role must be user or assistant", param="messages")
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(blocks, list):

@@ -204,6 +204,8 @@ for _ in range(150):
     ({"messages": []}, 400, "invalid_request_error", "messages"),
     ({"messages": [{"role": "system", "content": "Hi"}]}, 400, "invalid_request_error",
      "messages[0].role"),
+    ({"messages": [{"role": ["user"], "content": "Hi"}]}, 400, "invalid_request_error",
+     "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
      "invalid_request_error", "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
@@ -227,6 +229,9 @@ for _ in range(150):
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, 400,
      "invalid_request_error", "tool_choice"),
     ({"tool_choice": {"type": "any"}}, 400, "invalid_request_error", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": ["any"]}}, 400, "invalid_request_error",
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": False}, 400, "invalid_request_error", "tool_choice"),
 ])
 def test_bad_requests_get_anthropic_errors_naming_the_field(http_server, change, status, kind,
                                                             field):
