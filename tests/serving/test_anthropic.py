@@ -251,6 +251,25 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(http_server, change,
 
 
 @pytest.mark.slow
+def test_a_schema_nested_to_the_depth_limit_passes_every_check(http_server):
+    def nested(levels: int) -> dict:  # tools' depth: 3 + 2 * levels
+        schema: dict = {"type": "object"}
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return schema
+
+    for levels in (30, 31):
+        status, data = post(http_server, "/v1/messages/count_tokens", {
+            "model": "smollm2", "messages": FRANCE,
+            "tools": [{"name": "f", "input_schema": nested(levels)}]})
+        message = json.loads(data)["error"]["message"]
+        if levels == 30:  # checked, rendered, tokenized: longer than the context
+            assert status == 400 and message.startswith("messages: prompt has"), data
+        else:
+            assert status == 400 and message == "tools is nested more than 64 levels deep"
+
+
+@pytest.mark.slow
 def test_the_client_raises_on_anthropic_errors_and_x_api_key_is_the_key(http_server, claude):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="smollm2", max_tokens=4,
