@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -22,9 +22,6 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.serving import tools
 from jaxserve.serving.core import LimitError
 from jaxserve.serving.http_common import ApiError, typed_event
-
-if TYPE_CHECKING:
-    from jaxserve.serving.openai_http import _Api
 
 PREFIX = "/v1/messages"
 # The nesting a field may have: far above any real schema or content, far below what the
@@ -38,7 +35,8 @@ _BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
 _CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
 
-def add_routes(app: web.Application, api: _Api) -> None:
+def add_routes(app: web.Application, api) -> None:
+    """The routes on `app`, answered with the helpers of openai_http.py's `_Api`."""
     messages = Messages(api)
     app.router.add_post(PREFIX, messages.create)
     app.router.add_post(PREFIX + "/count_tokens", messages.count_tokens)
@@ -63,9 +61,9 @@ def _error(status: int, message: str) -> dict:
 
 
 class Messages:
-    """The two routes, on the OpenAI front's helpers (`api`)."""
+    """The two routes, on the OpenAI front's helpers (`api`, its `_Api`)."""
 
-    def __init__(self, api: _Api):
+    def __init__(self, api):
         self.api = api
 
     async def create(self, request: web.Request) -> web.StreamResponse:
