@@ -2,12 +2,12 @@
 `stream: true` as server-sent events; chat with tool calls), /v1/responses (stored responses
 readable and deletable by id), /v1/embeddings (serving/embeddings.py), /v1/models,
 /v1/load_lora_adapter and /v1/unload_lora_adapter (serving/loras.py), /health, /metrics
-(Prometheus text).
+(Prometheus text); Anthropic's /v1/messages on the same helpers (serving/anthropic.py).
 
-Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 for bad
-fields, 401 for a missing or wrong key, 404 for an unknown model or route, 409 for unloading
-a LoRA adapter that requests still run, 429 when the waiting queue is full, 503 while shutting
-down.
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}} (Anthropic's on its
+routes), with 400 for bad fields, 401 for a missing or wrong key, 404 for an unknown model or
+route, 409 for unloading a LoRA adapter that requests still run, 429 when the waiting queue is
+full, 503 while shutting down.
 """
 
 from __future__ import annotations
@@ -28,28 +28,14 @@ from jaxserve import __version__
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
-from jaxserve.serving import embeddings, responses, tools
+from jaxserve.serving import anthropic, embeddings, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
+from jaxserve.serving.http_common import ApiError, typed_event
 from jaxserve.serving.loras import LoRAError
 from jaxserve.serving.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = (status, message, param,
-                                                                       kind, code)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
 
 
 _KEYED = ("/v1/", "/tokenize", "/detokenize")  # the routes behind the API key
@@ -85,6 +71,7 @@ def build_app(server: ServingCore) -> web.Application:
     app.router.add_post("/tokenize", api.tokenize)
     app.router.add_post("/detokenize", api.detokenize)
     app.router.add_get("/metrics", api.metrics)
+    anthropic.add_routes(app, api)  # /v1/messages, /v1/messages/count_tokens
     return app
 
 
@@ -101,23 +88,27 @@ class _Api:
             if request.path.startswith(_KEYED) or (request.path == "/metrics"
                                                    and not self.server.config.public_metrics):
                 auth = request.headers.get("Authorization", "")
-                key = auth[7:] if auth.startswith("Bearer ") else None
+                # Bearer, or Anthropic's header
+                key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key")
                 if not self.server.authorized(key):
                     raise ApiError(401, "invalid or missing API key", kind="authentication_error",
                                    code="invalid_api_key")
             return await handler(request)
         except ApiError as e:
-            return e.response()
+            error = e
         except web.HTTPException as e:
             if e.status == 404:
-                return ApiError(404, f"no route {request.method} {request.path}",
-                                kind="not_found_error").response()
-            if e.status == 405:
-                return ApiError(405, f"method {request.method} not allowed on {request.path}",
-                                kind="invalid_request_error").response()
-            if e.status == 413:
-                return ApiError(413, "request body too large").response()
-            raise
+                error = ApiError(404, f"no route {request.method} {request.path}",
+                                 kind="not_found_error")
+            elif e.status == 405:
+                error = ApiError(405, f"method {request.method} not allowed on {request.path}",
+                                 kind="invalid_request_error")
+            elif e.status == 413:
+                error = ApiError(413, "request body too large")
+            else:
+                raise
+        return (anthropic.error_response(error) if anthropic.serves(request.path)
+                else error.response())
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -561,7 +552,7 @@ class _Api:
                 comp = out.outputs[0]
                 return builder.feed(comp.new_text, final=comp.finish_reason is not None)
             return await self._sse(request, engine_id, stream, chunk, builder.start(),
-                                   end=finish, error=builder.error, encode=_typed_event,
+                                   end=finish, error=builder.error, encode=typed_event,
                                    done=b"")
         out = await self._collect(request, engine_id, stream)
         builder.feed(out.outputs[0].text, final=True)
@@ -781,11 +772,6 @@ def _event(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-def _typed_event(obj: dict) -> bytes:
-    """An event of a typed stream (the Responses API): its type on the event line too."""
-    return f"event: {obj['type']}\ndata: {json.dumps(obj)}\n\n".encode()
-
-
 def _usage_chunk(base: dict):
     """stream_options.include_usage: a last chunk with no choices carries the usage, as
     OpenAI's API does."""
@@ -826,7 +812,7 @@ def _call_json(call: dict) -> dict:
 def _call_deltas(parser: tools.CallParser, comp) -> list[dict]:
     """A choice's new text as chat deltas: text as content; a call as OpenAI streams one, a
     delta with its index, id, type and name, then one with its arguments."""
-    events = parser.feed(comp.new_text) + (parser.finish() if comp.finish_reason else [])
+    events = tools.text_events(parser, comp.new_text, bool(comp.finish_reason))
     deltas, k = [], parser.num_calls - sum(kind == "call" for kind, _ in events)
     for kind, e in events:
         if kind == "text":

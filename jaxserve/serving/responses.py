@@ -120,8 +120,7 @@ class ResponseBuilder:
 
     def __init__(self, response: dict, choice: tools.ToolChoice | None):
         self.response = response  # the skeleton: id, model, the request's settings
-        self._parser = (tools.CallParser(choice) if choice is not None and choice.mode != "none"
-                        else None)
+        self._parser = tools.call_parser(choice)
         self._seq = 0
         self._open: dict | None = None  # the message item being written
         self.output: list[dict] = []
@@ -136,12 +135,8 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=snapshot)]
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
-        if self._parser is None:
-            events = [("text", text)] if text else []
-        else:
-            events = self._parser.feed(text) + (self._parser.finish() if final else [])
         out = []
-        for kind, value in events:
+        for kind, value in tools.text_events(self._parser, text, final):
             out += self._text(value) if kind == "text" else self._call(value)
         return out
 

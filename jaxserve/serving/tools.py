@@ -97,16 +97,30 @@ def _tool(i: int, raw: Any) -> Tool:
     fn = raw.get("function", raw)
     if not isinstance(fn, dict):
         raise ToolError(f"{where}.function must be an object", "tools")
-    name, desc = fn.get("name"), fn.get("description")
+    return new_tool(fn.get("name"), fn.get("description"), fn.get("parameters"),
+                    f"{where}.function")
+
+
+def new_tool(name: Any, description: Any, schema: Any, where: str,
+             schema_field: str = "parameters") -> Tool:
+    """A tool from a request's fields, each checked; errors name `where`.<field>."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ToolError(f"{where}.function.name must be 1-64 letters, digits, _ . or -",
-                        "tools")
-    if desc is not None and not isinstance(desc, str):
-        raise ToolError(f"{where}.function.description must be a string", "tools")
-    params = fn.get("parameters")
-    if params is None:
-        params = {"type": "object", "properties": {}}
-    return Tool(name, desc, _schema_checked(params, f"{where}.function.parameters"))
+        raise ToolError(f"{where}.name must be 1-64 letters, digits, _ . or -", "tools")
+    if description is not None and not isinstance(description, str):
+        raise ToolError(f"{where}.description must be a string", "tools")
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    return Tool(name, description, _schema_checked(schema, f"{where}.{schema_field}"))
+
+
+def tool_list(raw: Any, make) -> tuple[Tool, ...]:
+    """`tools`, each item made by `make(index, item)`: a list of at most 128 distinct names."""
+    if not isinstance(raw, list) or len(raw) > 128:
+        raise ToolError("tools must be a list of at most 128 functions", "tools")
+    tools = tuple(make(i, t) for i, t in enumerate(raw))
+    if len({t.name for t in tools}) != len(tools):
+        raise ToolError("tools must have distinct names", "tools")
+    return tools
 
 
 def parse_tool_choice(body: dict) -> ToolChoice | None:
@@ -119,11 +133,7 @@ def parse_tool_choice(body: dict) -> ToolChoice | None:
         if choice not in (None, "none"):
             raise ToolError("tool_choice needs tools", "tool_choice")
         return None
-    if not isinstance(raw, list) or len(raw) > 128:
-        raise ToolError("tools must be a list of at most 128 functions", "tools")
-    tools = tuple(_tool(i, t) for i, t in enumerate(raw))
-    if len({t.name for t in tools}) != len(tools):
-        raise ToolError("tools must have distinct names", "tools")
+    tools = tool_list(raw, _tool)
     if choice is None or choice in _CHOICES:
         return ToolChoice(tools, choice or "auto", parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -344,6 +354,19 @@ class CallParser:
                 "arguments": json.dumps(args, ensure_ascii=False)}
 
 
+def call_parser(choice: ToolChoice | None) -> CallParser | None:
+    """The parser of a request's output; None when it cannot call (no tools, or `none`)."""
+    return CallParser(choice) if choice is not None and choice.mode != "none" else None
+
+
+def text_events(parser: CallParser | None, text: str, final: bool) -> list[tuple[str, Any]]:
+    """What `text` adds to the output: the parser's events (finished when `final`), or all of
+    it as text when there is no parser."""
+    if parser is None:
+        return [("text", text)] if text else []
+    return parser.feed(text) + (parser.finish() if final else [])
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (a tag maybe on its way)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
@@ -354,8 +377,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 def split_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[dict]]:
     """A whole answer -> (its text, None if only calls; its calls)."""
-    parser = CallParser(choice)
-    events = parser.feed(text) + parser.finish()
+    events = text_events(CallParser(choice), text, final=True)
     calls = [e for kind, e in events if kind == "call"]
     content = "".join(e for kind, e in events if kind == "text")
     if calls:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from jaxserve.serving.client import Client
 from jaxserve.serving.server import Server, ServerConfig
 
 
@@ -29,6 +30,10 @@ class RunningServer:
     @property
     def port(self) -> int:
         return self.server.socket_port
+
+    def client(self) -> Client:
+        """A socket client, with the server's key when it has one."""
+        return Client(port=self.port, api_key=self.server.config.api_key)
 
     @property
     def http_url(self) -> str:

@@ -199,6 +199,62 @@ def test_http_tools_and_responses_bodies_get_a_result_or_an_openai_error(server,
         assert isinstance(err["message"], str) and err["type"] and err["param"], err
 
 
+ANTHROPIC_TOOL = {"name": "f", "input_schema": TOOL["function"]["parameters"]}
+
+
+def _messages_bodies():
+    """Messages bodies (for /v1/messages and its count_tokens) whose fields are set to
+    anything: content blocks of every kind, tools and tool choices of the right shapes among
+    them."""
+    text = st.text(max_size=8) | values
+    blocks = st.fixed_dictionaries({
+        "type": st.sampled_from(("text", "tool_use", "tool_result", "image", "x")),
+        "text": text, "id": st.text(max_size=4), "name": st.just("f"), "input": values,
+        "tool_use_id": st.text(max_size=4), "content": text | st.lists(values, max_size=2),
+        "is_error": values})
+    content = text | st.lists(blocks | values, max_size=3)
+    messages = st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(("user", "assistant", "system")) | values,
+        "content": content}) | values, max_size=3)
+    fields = {"messages": messages | values, "system": text | st.lists(blocks, max_size=2),
+              "tools": st.just([ANTHROPIC_TOOL]) | st.lists(values, max_size=2) | values,
+              "tool_choice": st.fixed_dictionaries({
+                  "type": st.sampled_from(("auto", "any", "tool", "none", "x")),
+                  "name": st.just("f") | values, "disable_parallel_tool_use": values}) | values,
+              "stop_sequences": st.lists(st.text(max_size=3), max_size=2) | values,
+              "max_tokens": st.integers(-1, 6) | values, "model": st.just("jaxserve") | values,
+              "temperature": values, "top_p": values, "top_k": values,
+              "metadata": st.fixed_dictionaries({"user_id": values}) | values}
+    changes = st.dictionaries(st.sampled_from(sorted(fields)), values, max_size=3).flatmap(
+        lambda d: st.fixed_dictionaries({k: fields[k] for k in d}))
+    return st.tuples(st.sampled_from(("/v1/messages", "/v1/messages/count_tokens")), changes,
+                     st.booleans())
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=_messages_bodies())
+def test_http_messages_bodies_get_a_result_or_an_anthropic_error(server, case):
+    route, change, stream = case
+    good = {"model": "jaxserve", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "temperature": 0}
+    status, data, kind = post(server, route, {**good, **change, "stream": stream})
+    assert status == 200 or 400 <= status < 500, (status, data)
+    if status != 200:
+        answer = json.loads(data)
+        assert answer["type"] == "error" and isinstance(answer["error"]["message"], str)
+        assert answer["error"]["type"].endswith("_error"), answer
+    elif kind.startswith("text/event-stream"):
+        events = [json.loads(e.split("\n")[1].removeprefix("data: "))
+                  for e in data.split("\n\n") if e]
+        assert events[0]["type"] == "message_start", data
+        assert events[-1]["type"] == "message_stop", data
+    else:
+        answer = json.loads(data)
+        assert answer.get("type") == "message" or answer["input_tokens"] > 0, answer
+
+
 def _embedding_bodies():
     """Embeddings bodies with input, encoding_format, dimensions and normalize set to anything
     (good values among them)."""

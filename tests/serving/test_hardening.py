@@ -69,14 +69,14 @@ def gen(rid: str, max_tokens: int = 200, stream: bool = True, **params) -> bytes
 
 
 def stats(srv) -> dict:
-    with Client(port=srv.port) as c:
+    with srv.client() as c:
         return c.stats()
 
 
 def wait_idle(srv, timeout: float) -> float:
     """Seconds until nothing runs or waits and every KV block is back."""
     t0 = time.monotonic()
-    with Client(port=srv.port) as c:
+    with srv.client() as c:
         while True:
             s = c.stats()
             if s["num_running"] == s["num_waiting"] == s["kv_blocks_used"] == 0:
@@ -123,7 +123,7 @@ def http(srv, method: str, path: str, body: bytes | None = None,
 
 
 def assert_serves(srv) -> None:
-    with Client(port=srv.port) as c:
+    with srv.client() as c:
         assert c.health()["status"] == "ok"
         done = c.generate("The capital of France is", temperature=0, max_tokens=4,
                           ignore_eos=True)

@@ -1,0 +1,357 @@
+"""Anthropic's Messages API on the HTTP front: POST /v1/messages (the message, or with `stream`
+Anthropic's event stream) and POST /v1/messages/count_tokens, over the chat machinery of
+openai_http.py and the tool calls of tools.py.
+
+`system` and `messages` become chat messages in the form tools.check_messages returns: an
+assistant's `tool_use` blocks its tool calls, a user's `tool_result` blocks tool messages. A
+last assistant message is a prefill the answer goes on from. `tool_choice` `any` and `tool`
+force the calls with the tools' grammar, as chat's `required` and a named function do. Errors
+on these routes come in Anthropic's shape, {"type": "error", "error": {"type", "message"}},
+the message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.serving import tools
+from jaxserve.serving.core import LimitError
+from jaxserve.serving.http_common import ApiError, typed_event
+
+PREFIX = "/v1/messages"
+# The nesting a field may have: far above any real schema or content, far below what the
+# recursive checks after it (jsonschema, the template, json) can take.
+MAX_DEPTH = 64
+_WALKED = ("system", "messages", "tools", "tool_choice", "metadata", "stop_sequences")
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error"}
+_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+def add_routes(app: web.Application, api) -> None:
+    """The routes on `app`, answered with the helpers of openai_http.py's `_Api`."""
+    messages = Messages(api)
+    app.router.add_post(PREFIX, messages.create)
+    app.router.add_post(PREFIX + "/count_tokens", messages.count_tokens)
+
+
+def serves(path: str) -> bool:
+    """Whether `path` is this API's (its errors then come in Anthropic's shape)."""
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def error_response(e: ApiError) -> web.Response:
+    """`e` in Anthropic's shape, its message led by the field (the prompt is `messages`)."""
+    param = "messages" if e.param == "prompt" else e.param
+    named = param is None or e.message.startswith(param)
+    return web.json_response(_error(e.status, e.message if named else f"{param}: {e.message}"),
+                             status=e.status)
+
+
+def _error(status: int, message: str) -> dict:
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class Messages:
+    """The two routes, on the OpenAI front's helpers (`api`, its `_Api`)."""
+
+    def __init__(self, api):
+        self.api = api
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        body = await self.api._body(request)
+        if body.get("max_tokens") is None:
+            raise ApiError(400, "max_tokens: field required", param="max_tokens")
+        stream, meta = body.get("stream", False), body.get("metadata")
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be a boolean", param="stream")
+        if meta is not None and not (isinstance(meta, dict)
+                                     and isinstance(meta.get("user_id"), str | None)):
+            raise ApiError(400, "metadata must be an object whose user_id is a string",
+                           param="metadata")
+        prompt, choice = await self._prompt(body)
+        params = self._params(body)
+        if choice is not None and choice.is_forced:
+            await self.api._force_calls(params, choice)
+        ids = await self._prompt_ids(prompt, params)
+        engine_id, out_stream = await self.api._submit(prompt, ids, params, "msg",
+                                                       model=body["model"])
+        builder = MessageBuilder({
+            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+            "model": body["model"], "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(ids), "output_tokens": 0}}, choice)
+        if stream:
+            def chunk(out):
+                comp = out.outputs[0]
+                return builder.feed(comp.new_text, final=comp.finish_reason is not None)
+            return await self.api._sse(request, engine_id, out_stream, chunk, builder.start(),
+                                       end=builder.finish, error=builder.error,
+                                       encode=typed_event, done=b"")
+        out = await self.api._collect(request, engine_id, out_stream)
+        builder.feed(out.outputs[0].text, final=True)
+        builder.finish(out)
+        return web.json_response(builder.message)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """The templated prompt's tokens (system and tools included), as create counts them."""
+        body = await self.api._body(request)
+        prompt, _ = await self._prompt(body)
+        ids = await self._prompt_ids(prompt, SamplingParams(max_tokens=1))
+        return web.json_response({"input_tokens": len(ids)})
+
+    async def _prompt(self, body: dict) -> tuple[str, tools.ToolChoice | None]:
+        """The conversation and tools through the chat template, and the tool choice."""
+        for name in _WALKED:
+            if _deeper_than(body.get(name), MAX_DEPTH):
+                raise ApiError(400, f"{name} is nested more than {MAX_DEPTH} levels deep",
+                               param=name)
+        if not isinstance(body.get("model"), str):
+            raise ApiError(400, "model: field required (a string)", param="model")
+        try:
+            choice = tool_choice(body)
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        messages = conversation(body)
+        last = messages[-1]
+        prefill = last["role"] == "assistant" and "tool_calls" not in last and last["content"]
+        return await self.api._chat_prompt({"continue_final_message": bool(prefill)},
+                                           messages, choice), choice
+
+    def _params(self, body: dict) -> SamplingParams:
+        stop = body.get("stop_sequences")
+        if stop is not None and not (isinstance(stop, list)
+                                     and all(isinstance(s, str) for s in stop)):
+            raise ApiError(400, "stop_sequences must be a list of strings",
+                           param="stop_sequences")
+        raw = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if k in body}
+        try:
+            return self.api._params(raw | ({"stop": stop} if stop else {}), None)
+        except ApiError as e:
+            e.param = "stop_sequences" if e.param == "stop" else e.param
+            raise
+
+    async def _prompt_ids(self, prompt: str, params: SamplingParams) -> list[int]:
+        try:
+            return await self.api.server.prompt_ids(prompt, None, params)
+        except LimitError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest in `value` more than `limit` deep (walked without
+    recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return True
+            stack += [(c, depth + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return False
+
+
+# ------------------------------------------------------------------------ the request
+
+def tool_choice(body: dict) -> tools.ToolChoice | None:
+    """`tools` (custom tools: name, description, input_schema) and `tool_choice`; None
+    without tools. Raises ToolError."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    choice = {"type": "auto"} if choice is None else choice
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if not (isinstance(kind, str) and kind in _CHOICES
+            and isinstance(choice.get("disable_parallel_tool_use", False), bool)):
+        raise tools.ToolError('tool_choice must be {"type": "auto" | "any" | "tool" (with '
+                              'name) | "none"} (disable_parallel_tool_use a boolean)',
+                              "tool_choice")
+    if raw is None or raw == []:
+        if kind in ("any", "tool"):
+            raise tools.ToolError("tool_choice needs tools", "tool_choice")
+        return None
+    found = tools.tool_list(raw, _tool)
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if kind != "tool":
+        return tools.ToolChoice(found, _CHOICES[kind], parallel=parallel)
+    name = choice.get("name")
+    if not isinstance(name, str) or name not in {t.name for t in found}:
+        raise tools.ToolError("tool_choice.name must name one of the tools", "tool_choice")
+    return tools.ToolChoice(found, "function", name, parallel)
+
+
+def _tool(i: int, raw: Any) -> tools.Tool:
+    where = f"tools[{i}]"
+    if not isinstance(raw, dict) or raw.get("type", "custom") not in ("custom", None):
+        raise tools.ToolError(f"{where} must be a custom tool {{name, description, "
+                              "input_schema}} (server tools are not served)", "tools")
+    schema = raw.get("input_schema")
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        raise tools.ToolError(f"{where}.input_schema must be a JSON schema of type object",
+                              "tools")
+    return tools.new_tool(raw.get("name"), raw.get("description"), schema, where,
+                          "input_schema")
+
+
+def conversation(body: dict) -> list[dict]:
+    """`system` and `messages` as chat messages in the form tools.check_messages returns."""
+    out = []
+    if body.get("system") is not None:
+        system = _text(body["system"], "system", "system")
+        out += [{"role": "system", "content": system}] if system else []
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    for i, m in enumerate(raw):
+        out += _message(m, f"messages[{i}]")
+    return out
+
+
+def _message(m: Any, where: str) -> list[dict]:
+    """One message: an assistant's text and calls as one chat message; a user's tool results
+    each a tool message, the text around them user messages."""
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{where} must be an object with role and content", param="messages")
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or role not in _BLOCKS:
+        raise ApiError(400, f"{where}.role must be user or assistant", param="messages")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(blocks, list):
+        raise ApiError(400, f"{where}.content must be a string or a list of content blocks",
+                       param="messages")
+    out: list[dict] = []
+    text: list[str] = []
+    calls: list[dict] = []
+    for j, b in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind not in _BLOCKS[role]:
+            raise ApiError(400, f"{at} must be a {' or '.join(_BLOCKS[role])} block in a "
+                                f"{role} message", param="messages")
+        if kind == "text":
+            text.append(_text([b], at, "messages"))
+        elif kind == "tool_use":
+            calls.append(_call(b, at))
+        else:
+            if text:
+                out.append({"role": "user", "content": "\n".join(text)})
+                text = []
+            out.append(_result(b, at))
+    if role == "assistant":
+        return [{"role": "assistant", "content": "\n".join(text)}
+                | ({"tool_calls": calls} if calls else {})]
+    return out + ([{"role": "user", "content": "\n".join(text)}] if text or not out else [])
+
+
+def _text(value: Any, where: str, param: str) -> str:
+    """A string, or text blocks joined by newlines."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                       and isinstance(b.get("text"), str) for b in value):
+        return "\n".join(b["text"] for b in value)
+    raise ApiError(400, f"{where} must be a string or a list of text blocks", param=param)
+
+
+def _call(block: dict, where: str) -> dict:
+    call_id, name, args = block.get("id"), block.get("name"), block.get("input")
+    if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, dict)):
+        raise ApiError(400, f"{where} must be a tool_use block with a string id and name and "
+                            "an object input", param="messages")
+    return {"id": call_id, "name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+
+
+def _result(block: dict, where: str) -> dict:
+    """A tool_result block as a tool message; one that `is_error` says so to the model."""
+    use_id, is_error = block.get("tool_use_id"), block.get("is_error", False)
+    if not isinstance(use_id, str):
+        raise ApiError(400, f"{where}.tool_use_id must be a string", param="messages")
+    if not isinstance(is_error, bool):
+        raise ApiError(400, f"{where}.is_error must be a boolean", param="messages")
+    text = _text(block.get("content", ""), f"{where}.content", "messages")
+    return {"role": "tool", "tool_call_id": use_id,
+            "content": f"Error: {text}" if is_error else text}
+
+
+# ------------------------------------------------------------------------ the answer
+
+class MessageBuilder:
+    """A message's content blocks and stream events, fed the model's text as it arrives; the
+    plain answer is the streamed one's last state."""
+
+    def __init__(self, message: dict, choice: tools.ToolChoice | None):
+        self.message = message  # the skeleton: id, model, usage.input_tokens
+        self._parser = tools.call_parser(choice)
+        self._open = False  # whether the last block is text still being written
+
+    @property
+    def content(self) -> list[dict]:
+        return self.message["content"]
+
+    def start(self) -> list[dict]:
+        snapshot = self.message | {"content": [], "usage": dict(self.message["usage"])}
+        return [{"type": "message_start", "message": snapshot}, {"type": "ping"}]
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        out = []
+        for kind, value in tools.text_events(self._parser, text, final):
+            out += self._text(value) if kind == "text" else self._call(value)
+        return out
+
+    def _text(self, text: str) -> list[dict]:
+        events = []
+        if not self._open:
+            self._open = True
+            self.content.append({"type": "text", "text": ""})
+            events.append({"type": "content_block_start", "index": len(self.content) - 1,
+                           "content_block": {"type": "text", "text": ""}})
+        self.content[-1]["text"] += text
+        return events + [{"type": "content_block_delta", "index": len(self.content) - 1,
+                          "delta": {"type": "text_delta", "text": text}}]
+
+    def _close(self) -> list[dict]:
+        if not self._open:
+            return []
+        self._open = False
+        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+
+    def _call(self, call: dict) -> list[dict]:
+        events = self._close()
+        block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                 "name": call["name"], "input": json.loads(call["arguments"])}
+        self.content.append(block)
+        i = len(self.content) - 1
+        return events + [
+            {"type": "content_block_start", "index": i, "content_block": block | {"input": {}}},
+            {"type": "content_block_delta", "index": i,
+             "delta": {"type": "input_json_delta", "partial_json": call["arguments"]}},
+            {"type": "content_block_stop", "index": i}]
+
+    def error(self, message: str) -> dict:
+        """The event of a request that failed in the engine."""
+        return _error(500, message)
+
+    def finish(self, out) -> list[dict]:
+        """The last events; `out` is the request's final output. self.message is then the
+        whole message."""
+        comp = out.outputs[0]
+        if comp.finish_reason == "length":
+            reason = "max_tokens"
+        elif self._parser is not None and self._parser.num_calls:
+            reason = "tool_use"
+        elif isinstance(comp.stop_reason, str):
+            reason = "stop_sequence"
+        else:
+            reason = "end_turn"
+        sequence = comp.stop_reason if reason == "stop_sequence" else None
+        self.message |= {"stop_reason": reason, "stop_sequence": sequence}
+        self.message["usage"]["output_tokens"] = len(comp.token_ids)
+        return self._close() + [
+            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+             "usage": {"output_tokens": len(comp.token_ids)}},
+            {"type": "message_stop"}]
