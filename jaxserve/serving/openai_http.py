@@ -25,6 +25,7 @@ import jinja2
 from aiohttp import web
 
 from jaxserve import __version__
+from jaxserve.core import nesting
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
@@ -122,9 +123,11 @@ class _Api:
     # ------------------------------------------------------------------------------ helpers
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nested too deep
+        try:  # every field bounded in depth before anything walks it
+            body = nesting.loads_body(await request.read())
+        except nesting.TooDeep as e:
+            raise ApiError(400, str(e), param=e.field) from None
+        except ValueError:  # bad JSON or bad UTF-8
             raise ApiError(400, "request body must be JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
