@@ -119,6 +119,9 @@ CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": de
 DEEP_STRINGS = [  # JSON (or a grammar) nested deep inside a string field
     ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json": deep_text(5_000)}},
      "structured_outputs"),
+    ("/v1/completions", {"prompt": "Hi", "guided_json": deep_text(5_000)}, "guided_json"),
+    ("/v1/completions", {"prompt": "Hi", "guided_grammar": "root ::= " + "(" * 5_000 + '"a"'
+                         + ")" * 5_000}, "guided_grammar"),
     ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "tool_calls": [CALL]}]},
      "messages"),
     ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f",
