@@ -106,6 +106,17 @@ def test_the_limit_is_on_each_fields_value(http_server):
                                                     "user": nested(MAX_DEPTH + 1)}, "user")
 
 
+def test_a_tool_schema_as_deep_as_the_limit_allows_is_checked_and_served(http_server):
+    """tools[0].function.parameters sits 3 levels down and schema(n) nests 2n + 1: n = 30 is the
+    deepest accepted, and jsonschema checks it within the handler's stack."""
+    for route, body, flat in (("/v1/chat/completions", {"messages": HI, "max_tokens": 2}, False),
+                              ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}, True)):
+        ok = post(http_server, route, body | {"tools": [fn(schema(30), flat)],
+                                               "tool_choice": "none"})
+        assert ok.status_code == 200, ok.text[:300]
+        assert_refused(http_server, route, body | {"tools": [fn(schema(31), flat)]}, "tools")
+
+
 def test_a_body_too_deep_to_parse_names_its_field(http_server):
     for levels in (5_000, 200_000):
         raw = b'{"prompt": "Hi", "max_tokens": 2, "stop": ' + deep_text(levels).encode() + b"}"
