@@ -159,8 +159,12 @@ def test_a_launched_server_gets_the_key_through_the_environment_not_argv(tiny_ll
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the launcher relays SIGTERM: its server goes too
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def test_the_key_file_and_its_refusals(tmp_path, monkeypatch):
