@@ -25,6 +25,7 @@ import sys
 import time
 
 from jaxserve.runtime.distributed import ENV, EXIT_PEER_LOST
+from jaxserve.serving import api_key
 
 
 def free_port() -> int:
@@ -113,7 +114,10 @@ def _forced_cpu_devices(env: dict, count: int) -> dict:
 
 
 def _run(runs: list[tuple[str, list[str], dict, str]]) -> int:
-    """Start (name, command, environment, note) each, relay SIGINT/SIGTERM, wait for all."""
+    """Start (name, command, environment, note) each, relay SIGINT/SIGTERM, wait for all. An
+    --api-key in a command goes to its process through the environment, out of its argv."""
+    runs = [(name, *api_key.to_environment(command, env), note)
+            for name, command, env, note in runs]
     procs = []
     for name, command, env, note in runs:
         procs.append(subprocess.Popen([sys.executable, *command], env=env))

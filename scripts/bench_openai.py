@@ -28,6 +28,8 @@ import time
 
 from bench_generate import make_prompts  # a sibling script
 
+from jaxserve.serving import api_key
+
 #: One free-text field: the answer runs to max_tokens as an unconstrained one would, so the two
 #: runs differ only by the grammar's work.
 BUILTIN_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
@@ -98,7 +100,9 @@ def main() -> None:
     ap.add_argument("--base-url", action="append",
                     help="a server's /v1 address; repeat to compare servers "
                          "(default: http://127.0.0.1:8000/v1)")
-    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--api-key", default=None,
+                    help=f"the servers' API key (default: ${api_key.ENV}, else none)")
+    api_key.add_file_option(ap)
     ap.add_argument("--model", default=None,
                     help="model id (default: the first /v1/models lists); several, comma "
                          "separated (LoRA adapters, say): the requests take them in turn")
@@ -110,6 +114,10 @@ def main() -> None:
     ap.add_argument("--compare-structured", action="store_true",
                     help="the schema (builtin by default), then the same lengths without it")
     args = ap.parse_args()
+    try:
+        key = api_key.resolve(args.api_key, args.api_key_file) or "none"
+    except ValueError as e:
+        ap.error(str(e))
     if args.compare_structured and not args.json_schema:
         args.json_schema = "builtin"
     extra = {}
@@ -128,7 +136,7 @@ def main() -> None:
     label = "structured: " if args.compare_structured else ""
     table = []
     for url in args.base_url or ["http://127.0.0.1:8000/v1"]:
-        client = OpenAI(base_url=url, api_key=args.api_key, timeout=600)
+        client = OpenAI(base_url=url, api_key=key, timeout=600)
         model = args.model or client.models.list().data[0].id
         for concurrency in args.concurrency:
             print(f"{url} ({model}):", flush=True)

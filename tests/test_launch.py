@@ -67,3 +67,19 @@ def test_each_engine_gets_devices_of_its_own():
     with pytest.raises(ValueError, match="engine 2 needs 2 GPUs past the first 4 of "
                                          "CUDA_VISIBLE_DEVICES=4,5,6,7$"):
         engine_devices(some, 2, 2)
+
+
+def test_every_launched_process_gets_the_api_key_through_its_environment(capfd):
+    """Whatever the launcher starts (the processes of one engine, a front and its engines),
+    an --api-key in the command reaches it as JAXSERVE_API_KEY, not in its argv."""
+    from jaxserve.launch import launch_disaggregated
+
+    child = ("import os, sys; print('argv', sys.argv[1:], 'key', "
+             "os.environ.get('JAXSERVE_API_KEY'), flush=True)")
+    assert launch(2, ["-c", child, "--api-key=s3cret", "--port", "1"]) == 0
+    assert launch_disaggregated(1, 1, ["-c", child, "--api-key", "s3cret"]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert len(lines) == 5, lines  # two processes, then two engines and the front
+    for line in lines:
+        argv, key = line.removeprefix("argv ").split(" key ")
+        assert key == "s3cret" and "s3cret" not in argv and "--api-key" not in argv, line

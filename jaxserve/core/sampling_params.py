@@ -13,6 +13,8 @@ import types
 import typing
 from typing import Any
 
+from jaxserve.core import nesting
+
 INT32_MAX = 2**31 - 1
 MAX_TEMPERATURE = 1e4  # beyond it every token is equally likely in float32 anyway
 MAX_STOP_STRINGS = 16  # every step checks each one against the new text (OpenAI allows 4)
@@ -209,7 +211,8 @@ class SamplingParams:
         """Build from a request body's map of parameters, checking each value's type.
 
         A None value means "the default". Raises ValueError naming the field (an unknown name
-        too, unless `allow_unknown`, when other keys are ignored)."""
+        too, unless `allow_unknown`, when other keys are ignored; a value nested deeper than
+        nesting.MAX_DEPTH, which code walking it could not finish)."""
         known = param_types()
         kwargs = {}
         for name, value in raw.items():
@@ -223,6 +226,7 @@ class SamplingParams:
             if not isinstance(value, known[name]) or (isinstance(value, bool)
                                                       and bool not in known[name]):
                 raise ValueError(f"{name}: wrong type {type(value).__name__}")
+            nesting.check(value, name)
             kwargs[name] = value
         return cls(**kwargs)
 

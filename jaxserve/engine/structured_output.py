@@ -15,6 +15,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from jaxserve.core import nesting
+
 #: How JSON output is laid out: no free whitespace, so a small model cannot wander off into
 #: blanks, and every answer is compact JSON.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -51,7 +53,7 @@ class GrammarCompiler:
         (kind, value), = spec.items()
         try:
             if kind == "json":
-                schema = json.loads(value) if isinstance(value, str) else value
+                schema = nesting.loads(value, "the schema") if isinstance(value, str) else value
                 if not isinstance(schema, dict | bool):
                     raise ValueError("a JSON schema must be an object")
                 return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -79,6 +81,8 @@ class GrammarCompiler:
             return LLMatcher.grammar_from_lark(value)
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"structured_outputs: invalid {kind}: {e}") from None
+        except RecursionError:  # the GBNF converter walks nested parentheses recursively
+            raise ValueError(f"structured_outputs: invalid {kind}: nests too deeply") from None
 
     def check(self, spec: dict[str, Any]) -> str:
         """The grammar of `spec`, validated against the tokenizer (and remembered, so the

@@ -24,10 +24,6 @@ from jaxserve.serving.core import LimitError
 from jaxserve.serving.http_common import ApiError, typed_event
 
 PREFIX = "/v1/messages"
-# The nesting a field may have: far above any real schema or content, far below what the
-# recursive checks after it (jsonschema, the template, json) can take.
-MAX_DEPTH = 64
-_WALKED = ("system", "messages", "tools", "tool_choice", "metadata", "stop_sequences")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error"}
@@ -78,11 +74,11 @@ class Messages:
             raise ApiError(400, "metadata must be an object whose user_id is a string",
                            param="metadata")
         prompt, choice = await self._prompt(body)
-        params = self._params(body)
+        params, names = self._params(body)
         if choice is not None and choice.is_forced:
             await self.api._force_calls(params, choice)
         ids = await self._prompt_ids(prompt, params)
-        engine_id, out_stream = await self.api._submit(prompt, ids, params, "msg",
+        engine_id, out_stream = await self.api._submit(prompt, ids, params, "msg", names,
                                                        model=body["model"])
         builder = MessageBuilder({
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
@@ -109,10 +105,6 @@ class Messages:
 
     async def _prompt(self, body: dict) -> tuple[str, tools.ToolChoice | None]:
         """The conversation and tools through the chat template, and the tool choice."""
-        for name in _WALKED:
-            if _deeper_than(body.get(name), MAX_DEPTH):
-                raise ApiError(400, f"{name} is nested more than {MAX_DEPTH} levels deep",
-                               param=name)
         if not isinstance(body.get("model"), str):
             raise ApiError(400, "model: field required (a string)", param="model")
         try:
@@ -125,37 +117,21 @@ class Messages:
         return await self.api._chat_prompt({"continue_final_message": bool(prefill)},
                                            messages, choice), choice
 
-    def _params(self, body: dict) -> SamplingParams:
+    def _params(self, body: dict) -> tuple[SamplingParams, dict[str, str]]:
         stop = body.get("stop_sequences")
         if stop is not None and not (isinstance(stop, list)
                                      and all(isinstance(s, str) for s in stop)):
             raise ApiError(400, "stop_sequences must be a list of strings",
                            param="stop_sequences")
         raw = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if k in body}
-        try:
-            return self.api._params(raw | ({"stop": stop} if stop else {}), None)
-        except ApiError as e:
-            e.param = "stop_sequences" if e.param == "stop" else e.param
-            raise
+        return self.api._params(raw | ({"stop": stop} if stop else {}), None,
+                                {"stop": "stop_sequences", "prompt": "messages"})
 
     async def _prompt_ids(self, prompt: str, params: SamplingParams) -> list[int]:
         try:
             return await self.api.server.prompt_ids(prompt, None, params)
         except LimitError as e:
             raise ApiError(400, str(e), param=e.param) from None
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether lists and objects nest in `value` more than `limit` deep (walked without
-    recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict | list):
-            if depth > limit:
-                return True
-            stack += [(c, depth + 1) for c in (v.values() if isinstance(v, dict) else v)]
-    return False
 
 
 # ------------------------------------------------------------------------ the request

@@ -1,6 +1,7 @@
 """`python scripts/serve.py`: load, warm up, then serve the socket protocol and OpenAI HTTP.
 
-Every EngineConfig and ServerConfig field is a command-line option (see --help).
+Every EngineConfig and ServerConfig field is a command-line option (see --help); the API key may
+also come from --api-key-file or the environment (serving/api_key.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jaxserve.engine.llm_engine import settle_heap
 from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
 from jaxserve.runtime import distributed
 from jaxserve.runtime.distributed import DistributedConfig
+from jaxserve.serving import api_key
 from jaxserve.serving.disagg import DisaggSet, FrontConfig, FrontModel
 from jaxserve.serving.loras import check_lora_options
 from jaxserve.serving.server import Server, ServerConfig
@@ -28,7 +30,9 @@ logger = logging.getLogger("jaxserve.server")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
     add_options(ap.add_argument_group("engine"), EngineConfig)
-    add_options(ap.add_argument_group("server"), ServerConfig)
+    server = ap.add_argument_group("server")
+    add_options(server, ServerConfig)
+    api_key.add_file_option(server)
     add_options(ap.add_argument_group("several processes (one engine over all their devices; "
                                       "process 0 serves)"), DistributedConfig)
     add_options(ap.add_argument_group("disaggregated serving (python -m jaxserve launch "
@@ -49,7 +53,8 @@ def split_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """Raises SystemExit naming the field when a value is refused."""
     try:  # --http-port 0 turns the HTTP front off
         return (from_options(EngineConfig, args),
-                from_options(ServerConfig, args, http_port=args.http_port or None))
+                from_options(ServerConfig, args, http_port=args.http_port or None,
+                             api_key=api_key.resolve(args.api_key, args.api_key_file)))
     except ValueError as e:
         raise SystemExit(f"serve.py: error: {e}") from None
 

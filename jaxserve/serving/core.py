@@ -34,7 +34,8 @@ class ServerConfig:
     port: int = option(7070, "socket protocol port (0: any free port)")
     http_port: int | None = option(8000, "OpenAI-compatible HTTP port (0: off)")
     api_key: str | None = option(None, "clients must present this key (socket auth frame, "
-                                       "HTTP Bearer or x-api-key)")
+                                       "HTTP Bearer or x-api-key); --api-key-file or "
+                                       "$JAXSERVE_API_KEY give it out of the process list")
     max_frame_bytes: int = option(1 << 20, "largest socket frame or HTTP body, in bytes")
     max_prompt_tokens: int | None = option(None, "longest prompt accepted (default: "
                                                  "max_model_len)")

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -25,6 +26,7 @@ import jinja2
 from aiohttp import web
 
 from jaxserve import __version__
+from jaxserve.core import nesting
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
@@ -113,9 +115,11 @@ class _Api:
     # ------------------------------------------------------------------------------ helpers
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nested too deep
+        try:  # every field bounded in depth before anything walks it
+            body = nesting.loads_body(await request.read())
+        except nesting.TooDeep as e:
+            raise ApiError(400, str(e), param=e.field) from None
+        except ValueError:  # bad JSON or bad UTF-8
             raise ApiError(400, "request body must be JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
@@ -125,32 +129,38 @@ class _Api:
             raise _lora_error(e) from None
         return body
 
-    def _params(self, body: dict, default_max_tokens: int | None) -> SamplingParams:
+    def _params(self, body: dict, default_max_tokens: int | None,
+                names: dict[str, str] | None = None) -> tuple[SamplingParams, dict[str, str]]:
         """SamplingParams from the body: its fields under their own names, plus OpenAI's
-        spellings (max_completion_tokens; chat's logprobs: true with top_logprobs: k).
-        `default_max_tokens` None: up to the end of the context, as OpenAI's chat API does."""
+        spellings (max_completion_tokens; chat's logprobs: true with top_logprobs: k;
+        response_format and guided_* as structured_outputs). `default_max_tokens` None: up to
+        the end of the context, as OpenAI's chat API does. Also returns `names` (the route's
+        {internal field: body field}) with those spellings added, for _field_error."""
+        names = dict(names or {})
         raw = {k: body[k] for k in param_names() if k in body}
         if raw.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
             raw["max_tokens"] = body["max_completion_tokens"]
+            names["max_tokens"] = "max_completion_tokens"
         top = body.get("top_logprobs")
         if isinstance(raw.get("logprobs"), bool):
             if top is not None and not raw["logprobs"]:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
             raw["logprobs"] = (0 if top is None else top) if raw["logprobs"] else None
+            names["logprobs"] = "logprobs" if top is None else "top_logprobs"
         structured = self._structured(body)
         if structured is not None:
             if raw.get("structured_outputs") is not None:
                 raise ApiError(400, "give structured_outputs or response_format / guided_*, "
                                     "not both", param="structured_outputs")
-            raw["structured_outputs"] = structured
+            names["structured_outputs"], raw["structured_outputs"] = structured
         try:
             params = SamplingParams.from_dict(raw)
             if "max_tokens" not in raw or raw["max_tokens"] is None:
                 params.max_tokens = default_max_tokens
             params.validate(self.server.engine.config.max_logprobs)
         except ValueError as e:
-            raise ApiError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
-        return params
+            raise _field_error(str(e), names) from None
+        return params, names
 
     @staticmethod
     def _template_options(body: dict, messages: list[dict]) -> dict:
@@ -178,26 +188,26 @@ class _Api:
               "guided_grammar": "grammar"}
 
     @classmethod
-    def _structured(cls, body: dict) -> dict | None:
+    def _structured(cls, body: dict) -> tuple[str, dict] | None:
         """OpenAI's `response_format` (json_object, json_schema; text means none) or vLLM's
-        guided_* fields, as a `structured_outputs` value."""
+        guided_* fields: (the field, its `structured_outputs` value)."""
         found = []
         fmt = body.get("response_format")
         if fmt is not None:
             kind = fmt.get("type") if isinstance(fmt, dict) else None
             if kind == "json_object":
-                found.append({"json_object": True})
+                found.append(("response_format", {"json_object": True}))
             elif kind == "json_schema":
                 js = fmt.get("json_schema")
                 schema = js.get("schema") if isinstance(js, dict) else None
                 if not isinstance(schema, dict):
                     raise ApiError(400, "response_format.json_schema.schema must be a JSON "
                                         "schema object", param="response_format")
-                found.append({"json": schema})
+                found.append(("response_format", {"json": schema}))
             elif kind != "text":
                 raise ApiError(400, "response_format.type must be text, json_object or "
                                     "json_schema", param="response_format")
-        found += [{kind: body[name]} for name, kind in cls.GUIDED.items()
+        found += [(name, {kind: body[name]}) for name, kind in cls.GUIDED.items()
                   if body.get(name) is not None]
         if len(found) > 1:
             raise ApiError(400, "give one of response_format and the guided_* fields",
@@ -205,15 +215,16 @@ class _Api:
         return found[0] if found else None
 
     async def _submit(self, prompt, prompt_ids, params: SamplingParams, prefix: str,
-                      cache_salt=None, pooling: str | None = None, model: str | None = None):
-        """`model`: the body's, the base model or a loaded adapter (unloaded since _body
-        checked it: 404)."""
+                      names: dict[str, str], cache_salt=None, pooling: str | None = None,
+                      model: str | None = None):
+        """`names`: {internal field: body field} for errors (_field_error). `model`: the
+        body's, the base model or a loaded adapter (unloaded since _body checked it: 404)."""
         if self.server.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         try:
             prompt_ids = await self.server.prompt_ids(prompt, prompt_ids, params)
         except LimitError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+            raise _field_error(str(e), names, e.param) from None
         engine_id = self.server.new_engine_id(prefix)
         try:
             stream = await self.server.submit(engine_id, prompt, prompt_ids, params,
@@ -224,8 +235,7 @@ class _Api:
         except LoRAError as e:
             raise _lora_error(e) from None
         except ValueError as e:
-            msg = str(e)
-            raise ApiError(400, msg, param=msg.split()[0].rstrip(":")) from None
+            raise _field_error(str(e), names) from None
         return engine_id, stream
 
     async def _collect(self, request: web.Request, engine_id: str, stream):
@@ -326,12 +336,12 @@ class _Api:
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise ApiError(400, "echo must be a boolean", param="echo")
-        params = self._params(body, 16)
+        params, names = self._params(body, 16, {"prompt_token_ids": "prompt"})
         if echo and params.logprobs is not None and params.prompt_logprobs is None:
             # OpenAI's echo with logprobs scores the prompt's tokens too
             params.prompt_logprobs = params.logprobs
         include_usage = self._include_usage(body)
-        engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl",
+        engine_id, stream = await self._submit(prompt, prompt_ids, params, "cmpl", names,
                                                body.get("cache_salt"), model=body.get("model"))
         created, model = int(time.time()), self._model(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -388,12 +398,12 @@ class _Api:
             messages = tools.check_messages(body.get("messages"))
         except tools.ToolError as e:
             raise ApiError(400, str(e), param=e.param) from None
-        prompt = await self._chat_prompt(body, messages, choice)
-        params = self._params(body, None)
+        prompt = await self._chat_prompt(body, messages, choice, "messages")
+        params, names = self._params(body, None, {"prompt": "messages"})
         if choice is not None and choice.is_forced:
             await self._force_calls(params, choice)
         include_usage = self._include_usage(body)
-        engine_id, stream = await self._submit(prompt, None, params, "chat",
+        engine_id, stream = await self._submit(prompt, None, params, "chat", names,
                                                body.get("cache_salt"), model=body.get("model"))
         created, model = int(time.time()), self._model(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -450,25 +460,26 @@ class _Api:
                if body.get("prompt_logprobs") is not None else {}))
 
     async def _chat_prompt(self, body: dict, messages: list[dict],
-                           choice: tools.ToolChoice | None) -> str:
-        """The conversation (and tools) through the model's chat template, off the loop."""
+                           choice: tools.ToolChoice | None, field: str) -> str:
+        """The conversation (and tools) through the model's chat template, off the loop;
+        `field`: the body's field the messages came from."""
         tok = self.server.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise ApiError(400, "this model has no chat template", param="messages")
+            raise ApiError(400, "this model has no chat template", param=field)
         chars = sum(len(m["content"]) + sum(len(c["arguments"]) for c in m.get("tool_calls", ()))
                     for m in messages)
         chars += len(json.dumps([t.spec() for t in choice.tools])) if choice else 0
         limit = self.server.max_prompt_chars
         if chars > limit:
-            raise ApiError(400, f"messages hold {chars} characters, more than the prompt limit's "
-                                f"tokens can hold ({limit})", param="messages")
+            raise ApiError(400, f"{field} hold {chars} characters, more than the prompt limit's "
+                                f"tokens can hold ({limit})", param=field)
         rendered, extra = tools.render(messages, choice, tools.takes_tools(tok.chat_template))
         try:
             return await self.server.off_loop(tok.apply_chat_template, rendered, tokenize=False,
                                               **extra, **self._template_options(body, messages))
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
-            raise ApiError(400, f"the chat template refused the messages: {e}",
-                           param="messages") from None
+            raise ApiError(400, f"the chat template refused the {field}: {e}",
+                           param=field) from None
 
     async def _force_calls(self, params: SamplingParams, choice: tools.ToolChoice) -> None:
         """tool_choice required or a named function: the output is a grammar's tool calls."""
@@ -477,14 +488,14 @@ class _Api:
                                 "with structured output", param="tool_choice")
         params.structured_outputs = await self._grammar({"grammar": choice.grammar()}, "tools")
 
-    async def _grammar(self, spec: dict, param: str) -> dict:
+    async def _grammar(self, spec: dict, field: str) -> dict:
         """`spec` compiled on the tokenizer thread (the engine finds it ready); a 400 naming
-        `param` if it does not compile."""
+        the body's `field` if it does not compile."""
         if self.server.engine.grammars is not None:
             try:
                 await self.server.off_loop(self.server.engine.grammars.check, spec)
             except ValueError as e:
-                raise ApiError(400, f"{param}: {e}", param=param) from None
+                raise _field_error(str(e), {"structured_outputs": field}) from None
         return spec
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
@@ -511,13 +522,10 @@ class _Api:
                                     "store: false, or evicted)", param="previous_response_id")
             messages = record["conversation"] + messages
         system = [{"role": "system", "content": instructions}] if instructions else []
-        prompt = await self._chat_prompt({}, system + messages, choice)
+        prompt = await self._chat_prompt({}, system + messages, choice, "input")
         sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
-        try:
-            params = self._params(sampling | {"max_tokens": body.get("max_output_tokens")}, None)
-        except ApiError as e:
-            e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
-            raise
+        params, names = self._params(sampling | {"max_tokens": body.get("max_output_tokens")},
+                                     None, {"max_tokens": "max_output_tokens", "prompt": "input"})
         if structured is not None:
             params.structured_outputs = await self._grammar(structured, "text")
         if choice is not None and choice.is_forced:
@@ -536,7 +544,7 @@ class _Api:
             "previous_response_id": prev, "text": {"format": fmt}, "metadata": {},
             "store": store, "truncation": "disabled", "usage": None}, choice)
 
-        engine_id, stream = await self._submit(prompt, None, params, "resp",
+        engine_id, stream = await self._submit(prompt, None, params, "resp", names,
                                                model=body.get("model"))
 
         def finish(out) -> list[dict]:
@@ -576,11 +584,12 @@ class _Api:
             raise ApiError(400, "embeddings come from the base model only, not a LoRA adapter",
                            param="model")
         params = SamplingParams(max_tokens=1)  # what prompt_ids checks against the limits
+        names = {"prompt": "input", "prompt_token_ids": "input"}
         submitted = []
         try:
             for item in items:
                 text, ids = (item, None) if isinstance(item, str) else (None, item)
-                submitted.append(await self._submit(text, ids, params, "embd",
+                submitted.append(await self._submit(text, ids, params, "embd", names,
                                                     body.get("cache_salt"),
                                                     self.server.engine.config.pooling))
             outs = await asyncio.gather(*(self._collect(request, eid, stream)
@@ -759,6 +768,17 @@ class _Api:
         await self.server.replicas.poll()
         return web.Response(body=self.server.exporter.render(),
                             content_type="text/plain", charset="utf-8")
+
+
+def _field_error(message: str, names: dict[str, str], param: str | None = None) -> ApiError:
+    """A 400 for an error that names a field by the engine's name (`param`, else the message's
+    first word), naming the body's field (`names`: {internal name: body field}) instead, in
+    the message too when it starts with the name."""
+    param = param or message.split()[0].rstrip(":")
+    field = names.get(param, param)
+    if field != param and re.match(rf"{re.escape(param)}\b", message):
+        message = field + message[len(param):]
+    return ApiError(400, message, param=field)
 
 
 def _lora_error(e: LoRAError) -> ApiError:

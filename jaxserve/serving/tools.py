@@ -19,6 +19,8 @@ import re
 import uuid
 from typing import Any
 
+from jaxserve.core import nesting
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _CHOICES = ("none", "auto", "required")
@@ -86,6 +88,8 @@ def _schema_checked(schema: Any, where: str) -> dict:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ToolError(f"{where} is not a valid JSON schema: {e.message}", "tools") from None
+    except RecursionError:  # jsonschema recurses: a guard behind the body's nesting bound
+        raise ToolError(f"{where} nests too deeply", "tools") from None
     return schema
 
 
@@ -171,6 +175,10 @@ def _calls(raw: Any, where: str) -> list[dict]:
                 and isinstance(fn.get("arguments", "{}"), str)):
             raise ToolError(f"{where}.tool_calls[{j}] must be {{id, type, function: {{name, "
                             "arguments (a JSON string)}}}}", "messages")
+        try:  # the template gets them parsed: bounded like the body's own JSON
+            _arguments(fn.get("arguments", "{}"))
+        except nesting.TooDeep as e:
+            raise ToolError(f"{where}.tool_calls[{j}].function.{e}", "messages") from None
         out.append({"id": c.get("id"), "name": fn["name"],
                     "arguments": fn.get("arguments", "{}")})
     return out
@@ -205,8 +213,11 @@ def takes_tools(template: str) -> bool:
 
 
 def _arguments(text: str) -> Any:
+    """A call's arguments parsed; text that is not JSON stays text. Raises nesting.TooDeep."""
     try:
-        return json.loads(text)
+        return nesting.loads(text, "arguments")
+    except nesting.TooDeep:
+        raise
     except ValueError:
         return text
 
@@ -334,22 +345,23 @@ class CallParser:
 
     def _call(self, body: str) -> dict | None:
         import jsonschema
+        from referencing.exceptions import Unresolvable
 
-        try:
-            obj = json.loads(body)
+        try:  # a block that nests too deeply is text, like one that is not JSON
+            obj = nesting.loads(body, "a call")
+            if not isinstance(obj, dict) or obj.get("name") not in self._tools:
+                return None
+            args = obj.get("arguments", {})
+            if isinstance(args, str):  # some models write the arguments as a JSON string
+                args = _arguments(args)
         except ValueError:
             return None
-        if not isinstance(obj, dict) or obj.get("name") not in self._tools:
-            return None
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            args = _arguments(args)
         if not isinstance(args, dict):
             return None
         try:
             jsonschema.validate(args, self._tools[obj["name"]].parameters)
-        except jsonschema.ValidationError:
-            return None
+        except (jsonschema.ValidationError, RecursionError, Unresolvable):
+            return None  # RecursionError: a $ref cycle; Unresolvable: a $ref to nowhere
         return {"id": new_call_id(), "name": obj["name"],
                 "arguments": json.dumps(args, ensure_ascii=False)}
 

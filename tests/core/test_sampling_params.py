@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from jaxserve import SamplingParams
+from jaxserve.core.nesting import MAX_DEPTH
 from jaxserve.core.sampling_params import param_names, param_types
 
 
@@ -37,6 +38,19 @@ def test_from_dict_builds_and_normalizes():
 def test_from_dict_names_the_bad_field(raw, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         SamplingParams.from_dict(raw)
+
+
+def test_from_dict_refuses_values_nested_too_deeply():
+    """What a socket frame can carry (msgpack decodes about a thousand levels) is bounded before
+    code that walks it recursively sees it."""
+    deep: object = "x"
+    for _ in range(MAX_DEPTH):
+        deep = [deep]
+    assert SamplingParams.from_dict({"stop": deep}).stop == deep
+    for name, value in (("stop", [deep]), ("logit_bias", {"5": [deep]}),
+                        ("structured_outputs", {"json": {"items": [deep]}})):
+        with pytest.raises(ValueError, match=f"^{name} nests lists and objects deeper than "):
+            SamplingParams.from_dict({name: value})
 
 
 def test_from_dict_can_ignore_other_keys():

@@ -101,6 +101,11 @@ def test_regex_choice_grammar_and_json_object(smollm):
     ({"regex": "[a-z"}, "invalid regex"),
     ({"grammar": "start: undefined_rule"}, "invalid grammar"),
     ({"choice": []}, "invalid choice"),
+    # JSON in a string, and GBNF, too deep for the code that reads them to recurse through
+    ({"json": "[" * 5000 + "]" * 5000}, "invalid json: the schema nests lists and objects "
+                                        "deeper than 64 levels"),
+    ({"grammar": "root ::= " + "(" * 5000 + '"a"' + ")" * 5000}, "invalid grammar: nests too "
+                                                                   "deeply"),
 ])
 def test_a_bad_grammar_is_refused_and_harms_nothing(smollm, spec, message):
     engine = _engine(smollm)

@@ -1,14 +1,26 @@
-"""`python scripts/serve.py` as a process: options, warmup, the listening line, graceful stop."""
+"""`python scripts/serve.py` as a process: options, warmup, the listening line, graceful stop,
+the API key's sources."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 
-from jaxserve.serving.client import Client
+import pytest
+import requests
+
+from jaxserve.launch import free_port
+from jaxserve.serving.api_key import ENV
+from jaxserve.serving.cli import parse_args, split_config
+from jaxserve.serving.client import Client, ServerError
+
+TINY = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+        "--num-kv-blocks", "32", "--token-buckets", "16", "32", "--seq-buckets", "4",
+        "--block-buckets", "8", "--max-held-seqs", "0"]
 
 
 def test_help_lists_engine_and_server_options():
@@ -109,3 +121,62 @@ def test_sigterm_with_a_stuck_stream_exits_0_within_the_shutdown_timeout(tiny_ll
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_launched_server_gets_the_key_through_the_environment_not_argv(tiny_llama_dir):
+    """`launch -- scripts/serve.py --api-key KEY`: the server's command line, which any local
+    user reads with `ps`, does not hold the key; both fronts still require it."""
+    key, http_port = "s3cret-7d1f", free_port()
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve", "launch", "--num-processes", "1", "--",
+         "scripts/serve.py", "--model", tiny_llama_dir, "--api-key", key, "--port", "0",
+         "--http-port", str(http_port), *TINY], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines, pid, port = [], None, None
+        deadline = time.time() + 240
+        while time.time() < deadline and port is None:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            pid = pid or re.search(r"\[launch\] process 0 of 1: pid (\d+)", line)
+            port = re.search(r"listening on socket 127\.0\.0\.1:(\d+)", line)
+        assert pid and port, "".join(lines)
+        with open(f"/proc/{pid.group(1)}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        assert "scripts/serve.py" in argv and "--api-key" not in argv, argv
+        assert not any(key in a for a in argv), argv
+        port = int(port.group(1))
+        with pytest.raises(ServerError, match="invalid api_key"):
+            Client(port=port, api_key="wrong")
+        with Client(port=port, api_key=key) as c:
+            assert c.generate(prompt_token_ids=[5, 6], max_tokens=2,
+                              ignore_eos=True)["completion_tokens"] == 2
+        url = f"http://127.0.0.1:{http_port}/v1/models"
+        assert requests.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert requests.get(url, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:  # the launcher relays SIGTERM: its server goes too
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_the_key_file_and_its_refusals(tmp_path, monkeypatch):
+    path = tmp_path / "key"
+    path.write_text("from-file\n")
+    monkeypatch.setenv(ENV, "from-env")
+    assert split_config(parse_args(["--api-key-file", str(path)]))[1].api_key == "from-file"
+    assert split_config(parse_args([]))[1].api_key == "from-env"
+    assert split_config(parse_args(["--api-key", "flag"]))[1].api_key == "flag"
+    # both flag forms: refused by the process before it loads a model
+    out = subprocess.run([sys.executable, "scripts/serve.py", "--api-key", "a",
+                          "--api-key-file", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "serve.py: error: api_key: give --api-key or --api-key-file, not both" in out.stderr

@@ -279,9 +279,11 @@ def test_streamed_equals_plain_with_options(client):
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                  "schema": {"type": "objectx"}}}},
-     "structured_outputs"),
+     "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"guided_regex": "[a-z"}, "structured_outputs"),
+    ({"guided_regex": "[a-z"}, "guided_regex"),
+    ({"guided_json": {"type": "objectx"}}, "guided_json"),
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs"),
     ({"logit_bias": {"5": 500}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"presence_penalty": 5}, "presence_penalty"),
@@ -293,6 +295,41 @@ def test_bad_options_are_400_naming_the_field(server, client, extra, param):
     assert err.value.body["param"] == param, err.value.body
     r = client.completions.create(model="smollm2", prompt="Hi", max_tokens=2)
     assert r.choices[0].text is not None
+
+
+LONG = "word " * 300  # more tokens than the test server's max_prompt_tokens (256)
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": [5, 10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "guided_grammar": "start: nowhere"}, "guided_grammar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0, "max_tokens": None},
+     "max_completion_tokens"),
+    ("/v1/responses", {"input": LONG}, "input"),
+    ("/v1/responses", {"input": "x" * 30_000}, "input"),  # refused before it is tokenized
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x",
+                                           "schema": {"type": "objectx"}}}}, "text"),
+    ("/v1/embeddings", {"input": [5, 10**9]}, "input"),
+    ("/v1/embeddings", {"input": LONG}, "input"),
+])
+def test_errors_name_the_field_the_client_sent(server, route, body, param):
+    """Not the engine's own name for it (prompt_token_ids, structured_outputs, logprobs,
+    max_tokens, prompt): the message starts with the client's field too, when it names one."""
+    base = {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}], "input": "Hi",
+            "max_tokens": 2, "max_output_tokens": 2}
+    status, got = _post(server, route, {k: v for k, v in (base | body).items()
+                                        if v is not None})
+    assert status == 400, got
+    err = got["error"]
+    assert err["param"] == param, err
+    internal = {"prompt_token_ids", "structured_outputs", "logprobs", "max_tokens",
+                "prompt"} - {param}
+    assert err["message"].split()[0].rstrip(":") not in internal, err
 
 
 def test_n_samples_over_http(client):

@@ -1,5 +1,6 @@
-"""Two socket-protocol cases a new client runs into, on a real server over real sockets: a frame
-cut short by a half-close, and one request past the per-connection limit."""
+"""Socket-protocol cases a new client runs into, on a real server over real sockets: a frame cut
+short by a half-close, one request past the per-connection limit, and params nested too deeply
+(msgpack decodes about a thousand levels)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,26 @@ def test_request_past_the_connection_limit_is_refused_at_once(server):
         # read with the 64 before it, not after the engine took each of them between steps
         assert took < 10 and steps < 16, (took, steps)
     wait_idle(server)  # closing the connection aborted the 64 it held
+
+
+def test_params_nested_too_deeply_are_refused_naming_the_field(server):
+    deep: object = 1
+    for _ in range(1000):
+        deep = [deep]
+    cases = [({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "limit_exceeded",
+              "structured_outputs: invalid json: the schema nests"),
+             ({"structured_outputs": {"grammar": "root ::= " + "(" * 5000 + '"a"'
+                                      + ")" * 5000}}, "limit_exceeded",
+              "structured_outputs: invalid grammar: nests too deeply"),
+             ({"stop": deep}, "invalid_field", "params.stop nests lists and objects deeper")]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        for i, (params, code, message) in enumerate(cases):
+            s.sendall(encode({"type": "generate", "id": f"r{i}", "prompt": "Hi",
+                              "params": {"max_tokens": 2, **params}}))
+            frame = read_frame(s)
+            assert frame["type"] == "error" and frame["id"] == f"r{i}", frame
+            assert frame["code"] == code and frame["message"].startswith(message), frame
+        s.sendall(encode({"type": "generate", "id": "ok", "prompt": "Hi",
+                          "params": {"max_tokens": 2, "ignore_eos": True}}))
+        assert read_frame(s)["type"] == "done"  # the connection serves on
+    wait_idle(server)
