@@ -300,7 +300,7 @@ class CallParser:
                 events += self._say(self._buf[:start])
                 self._buf, self._in_call = self._buf[start + len(OPEN):], True
                 continue
-            keep = _partial_suffix(self._buf, OPEN) if self._parallel or not self.num_calls else 0
+            keep = partial_suffix(self._buf, OPEN) if self._parallel or not self.num_calls else 0
             events += self._say(self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return events
@@ -344,7 +344,7 @@ class CallParser:
                 "arguments": json.dumps(args, ensure_ascii=False)}
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (a tag maybe on its way)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
