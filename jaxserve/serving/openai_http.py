@@ -28,7 +28,7 @@ from jaxserve import __version__
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
-from jaxserve.serving import embeddings, responses, tools
+from jaxserve.serving import embeddings, reasoning, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 from jaxserve.serving.loras import LoRAError
@@ -94,6 +94,7 @@ class _Api:
         cfg = server.config
         self.store = responses.ResponseStore(cfg.max_stored_responses,
                                              cfg.max_stored_response_bytes)
+        self.reasoning = cfg.reasoning_parser
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -414,6 +415,8 @@ class _Api:
                                                                 "content": ""},
                                          "finish_reason": None} for i in range(params.n)]}
             parsers = {i: tools.CallParser(choice) for i in range(params.n)} if calling else {}
+            splitters = ({i: reasoning.ReasoningSplitter(self.reasoning)
+                          for i in range(params.n)} if self.reasoning else {})
             unscored = body.get("prompt_logprobs") is not None
 
             def chunk(out):
@@ -421,9 +424,13 @@ class _Api:
                 rows: list[list[dict]] = []  # per choice, its deltas in order
                 for comp in _moved(out):
                     lp = self._chat_logprobs(comp, new_only=True)
-                    parser = parsers.get(comp.index)
-                    deltas = (_call_deltas(parser, comp) if parser is not None else
-                              [{"content": comp.new_text}] if comp.new_text else [])
+                    parser, splitter = parsers.get(comp.index), splitters.get(comp.index)
+                    final = comp.finish_reason is not None
+                    thought, text = (splitter.feed(comp.new_text, final) if splitter is not None
+                                     else ("", comp.new_text))
+                    deltas = [{"reasoning_content": thought}] if thought else []
+                    deltas += (_call_deltas(parser, text, final) if parser is not None else
+                               [{"content": text}] if text else [])
                     finish = _finish(comp.finish_reason, parser)
                     if not deltas and (finish or lp is not None):
                         deltas = [{}]
@@ -443,9 +450,12 @@ class _Api:
 
         def answer(c) -> dict:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if self.reasoning is not None:
+                message["reasoning_content"], message["content"] = reasoning.split(
+                    self.reasoning, c.text)
             finish = c.finish_reason
-            if calling:
-                message["content"], calls = tools.split_calls(c.text, choice)
+            if calling and message["content"] is not None:
+                message["content"], calls = tools.split_calls(message["content"], choice)
                 if calls:
                     message["tool_calls"] = [_call_json(x) for x in calls]
                     finish = "tool_calls" if finish == "stop" else finish
@@ -464,8 +474,8 @@ class _Api:
         tok = self.server.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model has no chat template", param="messages")
-        chars = sum(len(m["content"]) + sum(len(c["arguments"]) for c in m.get("tool_calls", ()))
-                    for m in messages)
+        chars = sum(len(m["content"]) + len(m.get("reasoning_content", ""))
+                    + sum(len(c["arguments"]) for c in m.get("tool_calls", ())) for m in messages)
         chars += len(json.dumps([t.spec() for t in choice.tools])) if choice else 0
         limit = self.server.max_prompt_chars
         if chars > limit:
@@ -543,7 +553,7 @@ class _Api:
             "tool_choice": body.get("tool_choice", "auto" if choice else "none"),
             "parallel_tool_calls": choice.parallel if choice else True,
             "previous_response_id": prev, "text": {"format": fmt}, "metadata": {},
-            "store": store, "truncation": "disabled", "usage": None}, choice)
+            "store": store, "truncation": "disabled", "usage": None}, choice, self.reasoning)
 
         engine_id, stream = await self._submit(prompt, None, params, "resp",
                                                model=body.get("model"))
@@ -823,10 +833,11 @@ def _call_json(call: dict) -> dict:
             "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
-def _call_deltas(parser: tools.CallParser, comp) -> list[dict]:
-    """A choice's new text as chat deltas: text as content; a call as OpenAI streams one, a
-    delta with its index, id, type and name, then one with its arguments."""
-    events = parser.feed(comp.new_text) + (parser.finish() if comp.finish_reason else [])
+def _call_deltas(parser: tools.CallParser, text: str, final: bool) -> list[dict]:
+    """A choice's new text as chat deltas (`final`: its last): text as content; a call as
+    OpenAI streams one, a delta with its index, id, type and name, then one with its
+    arguments."""
+    events = parser.feed(text) + (parser.finish() if final else [])
     deltas, k = [], parser.num_calls - sum(kind == "call" for kind, _ in events)
     for kind, e in events:
         if kind == "text":

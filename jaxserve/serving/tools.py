@@ -167,7 +167,9 @@ def _calls(raw: Any, where: str) -> list[dict]:
 
 
 def check_messages(messages: Any) -> list[dict]:
-    """Chat messages -> [{role, content (str), tool_calls?, tool_call_id?}]. Raises ToolError
+    """Chat messages -> [{role, content (str), tool_calls?, tool_call_id?,
+    reasoning_content?}]. An assistant's reasoning (`reasoning_content`, or vLLM's newer
+    `reasoning`) goes to the template, which decides whether to show it. Raises ToolError
     naming `messages`."""
     if not isinstance(messages, list) or not messages:
         raise ToolError("messages must be a non-empty list", "messages")
@@ -183,6 +185,11 @@ def check_messages(messages: Any) -> list[dict]:
             msg["content"] = "" if m.get("content") is None else _text(m["content"], where)
         else:
             msg["content"] = _text(m.get("content"), where)
+        thought = m.get("reasoning_content", m.get("reasoning"))
+        if role == "assistant" and thought is not None:
+            if not isinstance(thought, str):
+                raise ToolError(f"{where}.reasoning_content must be a string", "messages")
+            msg["reasoning_content"] = thought
         if role == "tool":
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
         out.append(msg)

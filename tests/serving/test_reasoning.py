@@ -1,13 +1,33 @@
-"""Reasoning output: the splitter of each format, whole and streamed."""
+"""Reasoning output: the splitter on its own, the flag, then a real server over
+a tiny Qwen3 with Qwen3's chat template whose greedy answer is planted (it thinks "Let me
+think." and answers " Paris is the capital!"), through the official `openai` client."""
 
 from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve import LLMEngine
 from jaxserve.serving import reasoning
+from jaxserve.serving.cli import parse_args, split_config
+from jaxserve.serving.core import ServerConfig
 from jaxserve.serving.reasoning import CLOSE, OPEN, ReasoningSplitter, split
+from jaxserve.testing.chat_templates import QWEN3
+from jaxserve.testing.tiny import write_successor_model
+from tests.serving.server_fixture import RunningServer
+from tests.serving.test_server import engine_config
+
+openai = pytest.importorskip("openai")
+
+THOUGHT, ANSWER = "Let me think.", " Paris is the capital!"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
 
 # ------------------------------------------------------------------------------ the splitter
 
@@ -69,3 +89,173 @@ def test_the_splitter_holds_back_only_what_may_be_a_tag():
     assert s.has_reasoning and s.finish() == ("", "")
     plain = ReasoningSplitter("qwen3")
     assert plain.feed("<b") == ("", "<b") and not plain.has_reasoning
+
+
+# ------------------------------------------------------------------------------ the flag
+
+def test_the_flag_takes_vllm_names_and_refuses_others(capsys):
+    _, server = split_config(parse_args(["--reasoning-parser", "deepseek_r1"]))
+    assert server.reasoning_parser is reasoning.ReasoningParser.DEEPSEEK_R1
+    assert split_config(parse_args([]))[1].reasoning_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--reasoning-parser", "qwen"])
+    err = capsys.readouterr().err
+    assert "--reasoning-parser" in err and "qwen3" in err and "deepseek_r1" in err
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+        ServerConfig(reasoning_parser="qwen")
+
+
+# ------------------------------------------------------------------------------ the server
+
+@pytest.fixture(scope="module")
+def thinking_model(smollm, tmp_path_factory):
+    """(directory, tokenizer): a tiny Qwen3 with the default model's tokenizer plus `<think>`
+    and `</think>` (added tokens, not special ones, as in Qwen3's) and Qwen3's chat template.
+    After the generation prompt it greedily writes `<think>Let me think.</think> Paris is the
+    capital!`, then ends; after the prompt with thinking off, the answer alone."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("thinking-qwen3")
+    smollm.tokenizer.save_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.add_tokens([OPEN, CLOSE])
+    tok.chat_template = QWEN3
+    tok.save_pretrained(d)
+    reply = tok.encode(OPEN + THOUGHT + CLOSE + ANSWER, add_special_tokens=False)
+    on, off = (tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False,
+                                       enable_thinking=thinking) for thinking in (True, False))
+    on_last, off_last = (tok.encode(p, add_special_tokens=False)[-1] for p in (on, off))
+    path = [on_last, *reply, tok.eos_token_id]
+    assert len(set(path)) == len(path) and off_last not in path
+    answer_start = reply[reply.index(tok.convert_tokens_to_ids(CLOSE)) + 1]
+    successors = dict(zip(path, path[1:], strict=False)) | {off_last: answer_start}
+    write_successor_model(d, len(tok), successors, architectures=["Qwen3ForCausalLM"],
+                          head_dim=32)
+    return str(d), tok
+
+
+@pytest.fixture(scope="module")
+def server(thinking_model):
+    srv = RunningServer(LLMEngine(engine_config(model=thinking_model[0], max_model_len=512)),
+                        reasoning_parser="qwen3")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key="none", max_retries=0)
+
+
+def blocks_back(srv) -> None:
+    """Every request finished and every KV block back in the pool."""
+    engine = srv.server.engine
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.02)
+    assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_integrity()
+
+
+def post(srv, route: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(srv.http_url + route, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def streamed(client, **kw) -> dict[int, tuple[str | None, str | None, list]]:
+    """A streamed chat: per choice, (its reasoning, its content, each None if empty; its deltas
+    in order as (field, value))."""
+    got: dict[int, list] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            d = c.delta
+            row = got.setdefault(c.index, [])
+            row += [("reasoning", d.reasoning_content)] if getattr(
+                d, "reasoning_content", None) else []
+            row += [("content", d.content)] if d.content else []
+            row += [("call", t) for t in d.tool_calls or []]
+            row += [("finish", c.finish_reason)] if c.finish_reason else []
+    return {i: ("".join(v for k, v in row if k == "reasoning") or None,
+                "".join(v for k, v in row if k == "content") or None, row)
+            for i, row in got.items()}
+
+
+@pytest.mark.slow
+def test_chat_gives_reasoning_apart_streamed_as_whole(client, server):
+    kw = dict(model="jaxserve", messages=QUESTION, temperature=0, max_tokens=30)
+    [whole] = client.chat.completions.create(**kw).choices
+    assert (whole.message.reasoning_content, whole.message.content) == (THOUGHT, ANSWER)
+    assert whole.finish_reason == "stop" and whole.message.tool_calls is None
+    for thought, content, row in streamed(client, n=2, **kw).values():
+        assert (thought, content) == (THOUGHT, ANSWER)
+        kinds = [k for k, _ in row]
+        assert kinds.index("content") > max(i for i, k in enumerate(kinds) if k == "reasoning")
+        assert row[-1] == ("finish", "stop")
+    # cut off inside the reasoning: it is all reasoning, and max_tokens alone bounds it
+    [cut] = client.chat.completions.create(**kw | {"max_tokens": 3}).choices
+    assert (cut.message.reasoning_content, cut.message.content) == ("Let me", None)
+    assert cut.finish_reason == "length"
+    assert streamed(client, **kw | {"max_tokens": 3})[0][:2] == ("Let me", None)
+    blocks_back(server)
+
+
+@pytest.mark.slow
+def test_bad_fields_are_refused_by_name(server):
+    def refused(route: str, body: dict) -> dict:
+        status, answer = post(server, route, body)
+        assert status == 400, answer
+        return answer["error"]
+
+    chat = {"model": "jaxserve", "messages": QUESTION, "max_tokens": 4}
+    e = refused("/v1/chat/completions", chat | {"messages": QUESTION + [
+        {"role": "assistant", "content": "", "reasoning_content": 5}]})
+    assert e["param"] == "messages" and "reasoning_content" in e["message"]
+    e = refused("/v1/responses", {"model": "jaxserve", "input": [
+        {"type": "reasoning", "content": "thoughts"}]})
+    assert e["param"] == "input" and "input[0]" in e["message"]
+    # the server goes on answering
+    status, ok = post(server, "/v1/chat/completions", chat)
+    assert status == 200 and ok["choices"][0]["message"]["reasoning_content"] == "Let me think"
+    blocks_back(server)
+
+
+@pytest.mark.slow
+def test_responses_put_a_reasoning_item_before_the_message(client, server):
+    kw = dict(model="jaxserve", input=QUESTION[0]["content"], max_output_tokens=30,
+              temperature=0)
+    r = client.responses.create(**kw)
+    rs, msg = r.output
+    assert rs.type == "reasoning" and rs.summary == [] and rs.status == "completed"
+    assert [(c.type, c.text) for c in rs.content] == [("reasoning_text", THOUGHT)]
+    assert msg.type == "message" and r.output_text == ANSWER
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert events[2].item.type == "reasoning" and events[3].part.type == "reasoning_text"
+    done = kinds.index("response.reasoning_text.done")
+    assert set(kinds[4:done]) == {"response.reasoning_text.delta"}
+    assert "".join(e.delta for e in events[4:done]) == events[done].text == THOUGHT
+    assert kinds[done + 1:done + 5] == ["response.content_part.done",
+                                        "response.output_item.done",
+                                        "response.output_item.added",
+                                        "response.content_part.added"]
+    assert events[done + 3].item.type == "message" and kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
+    # the output goes back as input, reasoning item included, or by previous_response_id
+    again = client.responses.create(**kw | {"input": [
+        QUESTION[0], *[o.model_dump(exclude_none=True) for o in r.output],
+        {"role": "user", "content": "And of Italy?"}]})
+    follow = client.responses.create(**kw | {"input": "And of Italy?",
+                                             "previous_response_id": r.id})
+    assert again.usage.input_tokens == follow.usage.input_tokens > r.usage.input_tokens
+    blocks_back(server)
