@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import json
 import logging
@@ -162,11 +163,23 @@ class _Api:
             raise ApiError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
         return params
 
-    @staticmethod
-    def _template_options(body: dict, messages: list[dict]) -> dict:
-        """vLLM's add_generation_prompt (default true) and continue_final_message (the reply
-        goes on from the last, assistant, message instead of starting a new one)."""
-        opts = {}
+    def _template_options(self, body: dict, messages: list[dict]) -> dict:
+        """vLLM's add_generation_prompt (default true), continue_final_message (the reply
+        goes on from the last, assistant, message instead of starting a new one) and
+        chat_template_kwargs (more variables for the template, as enable_thinking)."""
+        extra = body.get("chat_template_kwargs")
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ApiError(400, "chat_template_kwargs must be an object",
+                           param="chat_template_kwargs")
+        # apply_chat_template's own arguments are the server's to set
+        taken = sorted(set(extra) & (set(inspect.signature(
+            self.server.engine.tokenizer.apply_chat_template).parameters) | {"messages"}))
+        if taken:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}",
+                           param="chat_template_kwargs")
+        opts = dict(extra)
         for name, default in (("add_generation_prompt", True),
                               ("continue_final_message", False)):
             value = body.get(name, default)
@@ -530,7 +543,8 @@ class _Api:
                                     "store: false, or evicted)", param="previous_response_id")
             messages = record["conversation"] + messages
         system = [{"role": "system", "content": instructions}] if instructions else []
-        prompt = await self._chat_prompt({}, system + messages, choice)
+        prompt = await self._chat_prompt({k: body[k] for k in ("chat_template_kwargs",)
+                                          if k in body}, system + messages, choice)
         sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
         try:
             params = self._params(sampling | {"max_tokens": body.get("max_output_tokens")}, None)

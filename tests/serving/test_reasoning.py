@@ -206,6 +206,27 @@ def test_chat_gives_reasoning_apart_streamed_as_whole(client, server):
 
 
 @pytest.mark.slow
+def test_chat_template_kwargs_reach_the_template(client, server, thinking_model):
+    _, tok = thinking_model
+    kw = dict(model="jaxserve", messages=QUESTION, temperature=0, max_tokens=30)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    on_r = client.chat.completions.create(**kw)
+    off_r = client.chat.completions.create(**kw, extra_body=off)
+    [msg] = [c.message for c in off_r.choices]
+    assert (msg.reasoning_content, msg.content) == (None, ANSWER)
+    on_ids = post(server, "/tokenize", {"messages": QUESTION})[1]["tokens"]
+    off_ids = post(server, "/tokenize", {"messages": QUESTION, **off})[1]["tokens"]
+    think = tok.convert_tokens_to_ids([OPEN, CLOSE])
+    assert not set(think) & set(on_ids) and set(think) <= set(off_ids)
+    assert (on_r.usage.prompt_tokens, off_r.usage.prompt_tokens) == (len(on_ids), len(off_ids))
+    answer = client.responses.create(model="jaxserve", input=QUESTION[0]["content"],
+                                     max_output_tokens=30, extra_body=off)
+    assert [o.type for o in answer.output] == ["message"] and answer.output_text == ANSWER
+    assert answer.usage.input_tokens == len(off_ids)
+    blocks_back(server)
+
+
+@pytest.mark.slow
 def test_bad_fields_are_refused_by_name(server):
     def refused(route: str, body: dict) -> dict:
         status, answer = post(server, route, body)
@@ -213,12 +234,23 @@ def test_bad_fields_are_refused_by_name(server):
         return answer["error"]
 
     chat = {"model": "jaxserve", "messages": QUESTION, "max_tokens": 4}
+    for bad in ("yes", ["enable_thinking"]):
+        assert refused("/v1/chat/completions", chat | {"chat_template_kwargs": bad})[
+            "param"] == "chat_template_kwargs"
+    e = refused("/v1/chat/completions", chat | {"chat_template_kwargs": {
+        "tokenize": True, "add_generation_prompt": False, "enable_thinking": False}})
+    assert e["param"] == "chat_template_kwargs"
+    assert "add_generation_prompt, tokenize" in e["message"]
+    assert refused("/tokenize", {"messages": QUESTION, "chat_template_kwargs": {
+        "messages": []}})["param"] == "chat_template_kwargs"
     e = refused("/v1/chat/completions", chat | {"messages": QUESTION + [
         {"role": "assistant", "content": "", "reasoning_content": 5}]})
     assert e["param"] == "messages" and "reasoning_content" in e["message"]
     e = refused("/v1/responses", {"model": "jaxserve", "input": [
         {"type": "reasoning", "content": "thoughts"}]})
     assert e["param"] == "input" and "input[0]" in e["message"]
+    assert refused("/v1/responses", {"model": "jaxserve", "input": "Hi",
+                                     "chat_template_kwargs": 1})["param"] == "chat_template_kwargs"
     # the server goes on answering
     status, ok = post(server, "/v1/chat/completions", chat)
     assert status == 200 and ok["choices"][0]["message"]["reasoning_content"] == "Let me think"
