@@ -415,6 +415,7 @@ class _Api:
         params = self._params(body, None)
         if choice is not None and choice.is_forced:
             await self._force_calls(params, choice)
+        await self._after_reasoning(params)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat",
                                                body.get("cache_salt"), model=body.get("model"))
@@ -509,6 +510,18 @@ class _Api:
                                 "with structured output", param="tool_choice")
         params.structured_outputs = await self._grammar({"grammar": choice.grammar()}, "tools")
 
+    async def _after_reasoning(self, params: SamplingParams) -> None:
+        """Under a reasoning parser, structured output (forced tool calls too) constrains the
+        answer only: the reasoning before it is free."""
+        if self.reasoning is None or params.structured_outputs is None:
+            return
+        try:
+            params.structured_outputs = await self.server.off_loop(
+                reasoning.grammar_after, self.reasoning, params.structured_outputs,
+                self.server.engine.tokenizer)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="structured_outputs") from None
+
     async def _grammar(self, spec: dict, param: str) -> dict:
         """`spec` compiled on the tokenizer thread (the engine finds it ready); a 400 naming
         `param` if it does not compile."""
@@ -555,6 +568,7 @@ class _Api:
             params.structured_outputs = await self._grammar(structured, "text")
         if choice is not None and choice.is_forced:
             await self._force_calls(params, choice)
+        await self._after_reasoning(params)
         fmt = (body.get("text") or {}).get("format") or {"type": "text"}
         builder = responses.ResponseBuilder({
             "id": responses.new_id("resp"), "object": "response",

@@ -12,13 +12,17 @@ cut off before `</think>` is all reasoning.
 
 `ReasoningSplitter` splits text as it streams, holding back only what may be the start of a tag;
 `split` runs it over a whole text, so any way of cutting a text into deltas gives the same two
-parts.
+parts. `grammar_after` makes structured output apply to the content only.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import re
+from typing import Any
 
+from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.serving.tools import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -84,3 +88,45 @@ def split(parser: ReasoningParser | str, text: str) -> tuple[str | None, str | N
     if not splitter.has_reasoning:
         return None, content
     return reasoning, content or None
+
+
+def grammar_after(parser: ReasoningParser | str, spec: dict[str, Any],
+                  tokenizer) -> dict[str, str]:
+    """The `structured_outputs` value that applies `spec` to the content only: the reasoning
+    before it is free text (bounded by max_tokens alone), then up to 8 whitespace characters
+    may follow `</think>`. Under `qwen3` the reasoning part is optional, as the output may
+    have none.
+
+    A tag that is one token of `tokenizer` (Qwen3's and DeepSeek-R1's are added tokens, which
+    llguidance matches by id, not by their text) is that token, and the reasoning may not spell
+    it out in pieces; otherwise the tag is text. ValueError if `spec` is malformed."""
+    parser = ReasoningParser(parser)
+    inner = GrammarCompiler.grammar(spec)
+    # llguidance's JSON form (JSON schemas, regexes) or a Lark grammar's text
+    grammars = (json.loads(inner)["grammars"] if inner.lstrip().startswith("{")
+                else [{"lark_grammar": inner}])
+    grammars[0] = grammars[0] | {"name": "answer"}
+    open_id, close_id = (_token_id(tokenizer, tag) for tag in (OPEN, CLOSE))
+    opener = f"<[{open_id}]>" if open_id is not None else json.dumps(OPEN)
+    if close_id is not None:
+        avoid = re.escape(CLOSE).replace("/", "\\/")
+        rules = [f"reasoning: REASONING <[{close_id}]>",
+                 f"REASONING: /(?s:.*)/ & ~/(?s:.*){avoid}(?s:.*)/"]
+    else:  # lazy: it ends at the first `</think>`
+        rules = [f"reasoning[lazy]: /(?s:.*)/ {json.dumps(CLOSE)}"]
+    if parser.starts_inside:
+        start = f"start: {opener}? reasoning WS? @answer"
+    else:
+        start = f"start: ({opener} reasoning WS?)? @answer"
+    # a little whitespace (Qwen3 and DeepSeek-R1 write "\n\n"), not enough to wander off in
+    lark = "\n".join([start, *rules, "WS: /[ \\t\\r\\n]{1,8}/"]) + "\n"
+    return {"grammar": json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark},
+                                                *grammars]})}
+
+
+def _token_id(tokenizer, tag: str) -> int | None:
+    """The id of the one token that is `tag`, if `tokenizer` has one."""
+    if tokenizer is None:
+        return None
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None

@@ -1,4 +1,4 @@
-"""Reasoning output: the splitter on its own, the flag, then a real server over
+"""Reasoning output: the splitter and the grammar on their own, the flag, then a real server over
 a tiny Qwen3 with Qwen3's chat template whose greedy answer is planted (it thinks "Let me
 think." and answers " Paris is the capital!"), through the official `openai` client."""
 
@@ -9,12 +9,14 @@ import time
 import urllib.error
 import urllib.request
 
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve import LLMEngine
-from jaxserve.serving import reasoning
+from jaxserve.engine.structured_output import GrammarCompiler
+from jaxserve.serving import reasoning, tools
 from jaxserve.serving.cli import parse_args, split_config
 from jaxserve.serving.core import ServerConfig
 from jaxserve.serving.reasoning import CLOSE, OPEN, ReasoningSplitter, split
@@ -22,10 +24,13 @@ from jaxserve.testing.chat_templates import QWEN3
 from jaxserve.testing.tiny import write_successor_model
 from tests.serving.server_fixture import RunningServer
 from tests.serving.test_server import engine_config
+from tests.serving.test_tools import ASK, SCHEMAS, TOOLS
 
 openai = pytest.importorskip("openai")
 
 THOUGHT, ANSWER = "Let me think.", " Paris is the capital!"
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Lima"]}},
+        "required": ["city"], "additionalProperties": False}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -89,6 +94,61 @@ def test_the_splitter_holds_back_only_what_may_be_a_tag():
     assert s.has_reasoning and s.finish() == ("", "")
     plain = ReasoningSplitter("qwen3")
     assert plain.feed("<b") == ("", "<b") and not plain.has_reasoning
+
+
+# ------------------------------------------------------------------------------ the grammar
+
+def matcher_run(grammars: GrammarCompiler, tok, spec: dict, pieces: list) -> tuple[bool, bool]:
+    """Feed `pieces` (each text, tokenized, or a token id) to a matcher of `spec`: (every token
+    accepted, the grammar complete)."""
+    m = grammars.matcher(spec)
+    for piece in pieces:
+        ids = [piece] if isinstance(piece, int) else tok.encode(piece, add_special_tokens=False)
+        if not all(m.consume_token(t) for t in ids):
+            return False, False
+    return True, m.is_accepting()
+
+
+@pytest.mark.slow
+def test_structured_output_applies_after_the_reasoning(thinking_model, smollm):
+    """With `<think>` and `</think>` single tokens (Qwen3's case): free reasoning of any
+    length, the close tag only as its token, then the schema; with a tokenizer that has no
+    such tokens the tags are text."""
+    _, tok = thinking_model
+    grammars = GrammarCompiler(tok, len(tok), {tok.eos_token_id})
+    open_id, close_id = tok.convert_tokens_to_ids([OPEN, CLOSE])
+
+    def run(spec, pieces):
+        return matcher_run(grammars, tok, spec, pieces)
+
+    qwen3 = reasoning.grammar_after("qwen3", {"json": CITY}, tok)
+    free = "not JSON { at all </thinking> \n"
+    assert run(qwen3, [open_id, free, close_id, "\n\n", '{"city":"Rome"}']) == (True, True)
+    assert run(qwen3, [open_id, "a" * 3000, close_id, '{"city":"Lima"}']) == (True, True)
+    assert run(qwen3, ['{"city":"Paris"}']) == (True, True)  # no reasoning at all
+    assert run(qwen3, [open_id, free, close_id, '{"town":'])[0] is False
+    assert run(qwen3, ["Paris"])[0] is False
+    assert run(qwen3, [open_id, "x", close_id, " " * 9])[0] is False  # whitespace is bounded
+    spelled = tok.convert_tokens_to_ids(["</", "think", ">"])
+    assert run(qwen3, [open_id, "x", *spelled])[0] is False
+    r1 = reasoning.grammar_after("deepseek_r1", {"json": CITY}, tok)
+    assert run(r1, ['{"city":"Rome"}', close_id, '{"city":"Rome"}']) == (True, True)
+    assert run(r1, [open_id, "x", close_id, '{"city":"Rome"}']) == (True, True)
+    assert run(r1, ['{"city":"Rome"}']) == (True, False)  # still reasoning
+    forced = reasoning.grammar_after("qwen3", {"grammar": tools.parse_tool_choice(
+        {"tools": TOOLS, "tool_choice": "required"}).grammar()}, tok)
+    call = '<tool_call>\n{"name":"get_time","arguments":{"city":"Lima"}}\n</tool_call>'
+    assert run(forced, [open_id, "x", close_id, call]) == (True, True)
+    regex = reasoning.grammar_after("deepseek_r1", {"regex": "[0-9]+"}, tok)
+    assert run(regex, ["x", close_id, "42"]) == (True, True)
+    with pytest.raises(ValueError, match="invalid json"):
+        reasoning.grammar_after("qwen3", {"json": "{not json"}, tok)
+    plain = smollm.tokenizer  # the tags are several tokens each
+    text_tags = reasoning.grammar_after("qwen3", {"json": CITY}, plain)
+    plain_grammars = GrammarCompiler(plain, smollm.config.vocab_size, {2})
+    assert matcher_run(plain_grammars, plain, text_tags,
+                       [f"{OPEN}x {OPEN}{CLOSE}\n", '{"city":"Rome"}']) == (True, True)
+    assert matcher_run(plain_grammars, plain, text_tags, [f"{OPEN}x{CLOSE}{CLOSE}"])[0] is False
 
 
 # ------------------------------------------------------------------------------ the flag
@@ -258,6 +318,33 @@ def test_bad_fields_are_refused_by_name(server):
 
 
 @pytest.mark.slow
+def test_structured_output_and_tool_calls_follow_the_reasoning(client, server):
+    kw = dict(model="jaxserve", messages=QUESTION, temperature=0, max_tokens=40,
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "city", "schema": CITY}})
+    [whole] = client.chat.completions.create(**kw).choices
+    assert whole.message.reasoning_content == THOUGHT and whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.message.content), CITY)
+    assert streamed(client, **kw)[0][:2] == (THOUGHT, whole.message.content)
+    calls = dict(model="jaxserve", messages=ASK, tools=TOOLS, temperature=0, max_tokens=100,
+                 tool_choice="required", parallel_tool_calls=False)
+    [called] = client.chat.completions.create(**calls).choices
+    assert called.message.reasoning_content == THOUGHT and called.message.content is None
+    [call] = called.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert called.finish_reason == "tool_calls"
+    thought, content, row = streamed(client, **calls)[0]
+    assert (thought, content) == (THOUGHT, None)
+    assert [v.function.arguments for k, v in row if k == "call" and v.function.arguments] == [
+        call.function.arguments]
+    # under auto nothing is forced: the planted answer, which calls nothing
+    [auto] = client.chat.completions.create(**calls | {"tool_choice": "auto"}).choices
+    assert (auto.message.reasoning_content, auto.message.content) == (THOUGHT, ANSWER)
+    assert auto.message.tool_calls is None
+    blocks_back(server)
+
+
+@pytest.mark.slow
 def test_responses_put_a_reasoning_item_before_the_message(client, server):
     kw = dict(model="jaxserve", input=QUESTION[0]["content"], max_output_tokens=30,
               temperature=0)
@@ -290,4 +377,8 @@ def test_responses_put_a_reasoning_item_before_the_message(client, server):
     follow = client.responses.create(**kw | {"input": "And of Italy?",
                                              "previous_response_id": r.id})
     assert again.usage.input_tokens == follow.usage.input_tokens > r.usage.input_tokens
+    shaped = client.responses.create(**kw | {"max_output_tokens": 40, "text": {"format": {
+        "type": "json_schema", "name": "city", "schema": CITY}}})
+    assert shaped.output[0].content[0].text == THOUGHT
+    jsonschema.validate(json.loads(shaped.output_text), CITY)
     blocks_back(server)
