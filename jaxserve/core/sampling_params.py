@@ -76,7 +76,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # One of {"json": schema (dict or string)}, {"json_object": true}, {"regex": str},
-    # {"choice": [str, ...]}, {"grammar": Lark/EBNF str}: every output matches it.
+    # {"choice": [str, ...]}, {"grammar": Lark/EBNF str, or llguidance's JSON grammar}: every
+    # output matches it.
     structured_outputs: dict[str, Any] | None = None
     # "cumulative": an output at every step that moves the request, holding all of it so far;
     # "final_only": only the finished one (what LLM.generate and a request that does not

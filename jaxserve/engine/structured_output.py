@@ -74,6 +74,8 @@ class GrammarCompiler:
                                                              for c in value))
             if not isinstance(value, str) or not value:
                 raise ValueError("grammar must be a non-empty string")
+            if value.lstrip().startswith("{"):  # llguidance's JSON form: {"grammars": [...]}
+                return value
             if "::=" in value:  # GBNF / EBNF, as llama.cpp writes it
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 

@@ -25,6 +25,7 @@ from jaxserve.serving.disagg import DisaggCollector
 from jaxserve.serving.flow import StallWatch
 from jaxserve.serving.loras import LoRAError, ServerLoRAs, check_lora_options, parse_lora_module
 from jaxserve.serving.prometheus import PrometheusExporter
+from jaxserve.serving.reasoning import ReasoningParser
 from jaxserve.serving.replicas import ReplicaSet
 
 
@@ -63,6 +64,10 @@ class ServerConfig:
     lora_allowed_dir: str | None = option(
         None, "a LoRA adapter's path (--lora-modules, /v1/load_lora_adapter) must lie inside "
               "this directory (default: anywhere)")
+    reasoning_parser: ReasoningParser | None = option(
+        None, "give a thinking model's reasoning apart from its answer in chat and Responses "
+              "(vLLM's formats); structured output then constrains the answer only (default: "
+              "off)")
 
     def __post_init__(self):
         for name in ("max_frame_bytes", "max_concurrent_per_connection", "max_queue_per_request",
@@ -72,6 +77,14 @@ class ServerConfig:
         for name in ("max_stored_responses", "max_stored_response_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.reasoning_parser is not None:
+            try:
+                object.__setattr__(self, "reasoning_parser",
+                                   ReasoningParser(self.reasoning_parser))
+            except ValueError:
+                raise ValueError(f"reasoning_parser must be one of "
+                                 f"{', '.join(ReasoningParser)}, got "
+                                 f"{self.reasoning_parser!r}") from None
         if self.lora_modules is not None:
             object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
             names = [parse_lora_module(m).name for m in self.lora_modules]

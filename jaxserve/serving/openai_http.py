@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import json
 import logging
@@ -30,7 +31,7 @@ from jaxserve.core import nesting
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
-from jaxserve.serving import anthropic, embeddings, responses, tools
+from jaxserve.serving import anthropic, embeddings, reasoning, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 from jaxserve.serving.http_common import ApiError, typed_event
@@ -83,6 +84,7 @@ class _Api:
         cfg = server.config
         self.store = responses.ResponseStore(cfg.max_stored_responses,
                                              cfg.max_stored_response_bytes)
+        self.reasoning = cfg.reasoning_parser
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -162,11 +164,23 @@ class _Api:
             raise _field_error(str(e), names) from None
         return params, names
 
-    @staticmethod
-    def _template_options(body: dict, messages: list[dict]) -> dict:
-        """vLLM's add_generation_prompt (default true) and continue_final_message (the reply
-        goes on from the last, assistant, message instead of starting a new one)."""
-        opts = {}
+    def _template_options(self, body: dict, messages: list[dict]) -> dict:
+        """vLLM's add_generation_prompt (default true), continue_final_message (the reply
+        goes on from the last, assistant, message instead of starting a new one) and
+        chat_template_kwargs (more variables for the template, as enable_thinking)."""
+        extra = body.get("chat_template_kwargs")
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ApiError(400, "chat_template_kwargs must be an object",
+                           param="chat_template_kwargs")
+        # apply_chat_template's own arguments are the server's to set
+        taken = sorted(set(extra) & (set(inspect.signature(
+            self.server.engine.tokenizer.apply_chat_template).parameters) | {"messages"}))
+        if taken:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(taken)}",
+                           param="chat_template_kwargs")
+        opts = dict(extra)
         for name, default in (("add_generation_prompt", True),
                               ("continue_final_message", False)):
             value = body.get(name, default)
@@ -402,6 +416,7 @@ class _Api:
         params, names = self._params(body, None, {"prompt": "messages"})
         if choice is not None and choice.is_forced:
             await self._force_calls(params, choice)
+        await self._after_reasoning(params)
         include_usage = self._include_usage(body)
         engine_id, stream = await self._submit(prompt, None, params, "chat", names,
                                                body.get("cache_salt"), model=body.get("model"))
@@ -415,6 +430,8 @@ class _Api:
                                                                 "content": ""},
                                          "finish_reason": None} for i in range(params.n)]}
             parsers = {i: tools.CallParser(choice) for i in range(params.n)} if calling else {}
+            splitters = ({i: reasoning.ReasoningSplitter(self.reasoning)
+                          for i in range(params.n)} if self.reasoning else {})
             unscored = body.get("prompt_logprobs") is not None
 
             def chunk(out):
@@ -422,9 +439,13 @@ class _Api:
                 rows: list[list[dict]] = []  # per choice, its deltas in order
                 for comp in _moved(out):
                     lp = self._chat_logprobs(comp, new_only=True)
-                    parser = parsers.get(comp.index)
-                    deltas = (_call_deltas(parser, comp) if parser is not None else
-                              [{"content": comp.new_text}] if comp.new_text else [])
+                    parser, splitter = parsers.get(comp.index), splitters.get(comp.index)
+                    final = comp.finish_reason is not None
+                    thought, text = (splitter.feed(comp.new_text, final) if splitter is not None
+                                     else ("", comp.new_text))
+                    deltas = [{"reasoning_content": thought}] if thought else []
+                    deltas += (_call_deltas(parser, text, final) if parser is not None else
+                               [{"content": text}] if text else [])
                     finish = _finish(comp.finish_reason, parser)
                     if not deltas and (finish or lp is not None):
                         deltas = [{}]
@@ -444,9 +465,12 @@ class _Api:
 
         def answer(c) -> dict:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if self.reasoning is not None:
+                message["reasoning_content"], message["content"] = reasoning.split(
+                    self.reasoning, c.text)
             finish = c.finish_reason
-            if calling:
-                message["content"], calls = tools.split_calls(c.text, choice)
+            if calling and message["content"] is not None:
+                message["content"], calls = tools.split_calls(message["content"], choice)
                 if calls:
                     message["tool_calls"] = [_call_json(x) for x in calls]
                     finish = "tool_calls" if finish == "stop" else finish
@@ -466,8 +490,8 @@ class _Api:
         tok = self.server.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model has no chat template", param=field)
-        chars = sum(len(m["content"]) + sum(len(c["arguments"]) for c in m.get("tool_calls", ()))
-                    for m in messages)
+        chars = sum(len(m["content"]) + len(m.get("reasoning_content", ""))
+                    + sum(len(c["arguments"]) for c in m.get("tool_calls", ())) for m in messages)
         chars += len(json.dumps([t.spec() for t in choice.tools])) if choice else 0
         limit = self.server.max_prompt_chars
         if chars > limit:
@@ -487,6 +511,18 @@ class _Api:
             raise ApiError(400, "tool_choice required or a named function cannot be combined "
                                 "with structured output", param="tool_choice")
         params.structured_outputs = await self._grammar({"grammar": choice.grammar()}, "tools")
+
+    async def _after_reasoning(self, params: SamplingParams) -> None:
+        """Under a reasoning parser, structured output (forced tool calls too) constrains the
+        answer only: the reasoning before it is free."""
+        if self.reasoning is None or params.structured_outputs is None:
+            return
+        try:
+            params.structured_outputs = await self.server.off_loop(
+                reasoning.grammar_after, self.reasoning, params.structured_outputs,
+                self.server.engine.tokenizer)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="structured_outputs") from None
 
     async def _grammar(self, spec: dict, field: str) -> dict:
         """`spec` compiled on the tokenizer thread (the engine finds it ready); a 400 naming
@@ -522,7 +558,8 @@ class _Api:
                                     "store: false, or evicted)", param="previous_response_id")
             messages = record["conversation"] + messages
         system = [{"role": "system", "content": instructions}] if instructions else []
-        prompt = await self._chat_prompt({}, system + messages, choice, "input")
+        prompt = await self._chat_prompt({k: body[k] for k in ("chat_template_kwargs",)
+                                          if k in body}, system + messages, choice, "input")
         sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
         params, names = self._params(sampling | {"max_tokens": body.get("max_output_tokens")},
                                      None, {"max_tokens": "max_output_tokens", "prompt": "input"})
@@ -530,6 +567,7 @@ class _Api:
             params.structured_outputs = await self._grammar(structured, "text")
         if choice is not None and choice.is_forced:
             await self._force_calls(params, choice)
+        await self._after_reasoning(params)
         fmt = (body.get("text") or {}).get("format") or {"type": "text"}
         builder = responses.ResponseBuilder({
             "id": responses.new_id("resp"), "object": "response",
@@ -542,7 +580,7 @@ class _Api:
             "tool_choice": body.get("tool_choice", "auto" if choice else "none"),
             "parallel_tool_calls": choice.parallel if choice else True,
             "previous_response_id": prev, "text": {"format": fmt}, "metadata": {},
-            "store": store, "truncation": "disabled", "usage": None}, choice)
+            "store": store, "truncation": "disabled", "usage": None}, choice, self.reasoning)
 
         engine_id, stream = await self._submit(prompt, None, params, "resp", names,
                                                model=body.get("model"))
@@ -829,10 +867,11 @@ def _call_json(call: dict) -> dict:
             "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
-def _call_deltas(parser: tools.CallParser, comp) -> list[dict]:
-    """A choice's new text as chat deltas: text as content; a call as OpenAI streams one, a
-    delta with its index, id, type and name, then one with its arguments."""
-    events = tools.text_events(parser, comp.new_text, bool(comp.finish_reason))
+def _call_deltas(parser: tools.CallParser, text: str, final: bool) -> list[dict]:
+    """A choice's new text as chat deltas (`final`: its last): text as content; a call as
+    OpenAI streams one, a delta with its index, id, type and name, then one with its
+    arguments."""
+    events = tools.text_events(parser, text, final)
     deltas, k = [], parser.num_calls - sum(kind == "call" for kind, _ in events)
     for kind, e in events:
         if kind == "text":

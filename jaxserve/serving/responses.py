@@ -1,6 +1,6 @@
 """OpenAI's Responses API over the chat machinery: `input` items turned into chat messages, the
-answer turned into output items (a message's text, function calls) and the typed event stream,
-and the bounded store that `previous_response_id` reads.
+answer turned into output items (reasoning, a message's text, function calls) and the typed
+event stream, and the bounded store that `previous_response_id` reads.
 
 One builder makes both answers: fed the model's text as it comes, it returns the stream's
 events (response.output_item.added, response.output_text.delta, ...) and keeps the output
@@ -16,7 +16,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from jaxserve.serving import tools
+from jaxserve.serving import reasoning, tools
 
 
 class ResponseStore:
@@ -62,9 +62,9 @@ class ResponseStore:
 
 
 def input_messages(raw: Any) -> list[dict]:
-    """`input` (a string, or a list of message, function_call and function_call_output items)
-    as chat messages in the form `tools.check_messages` takes. Raises ToolError naming
-    `input`."""
+    """`input` (a string, or a list of message, reasoning, function_call and
+    function_call_output items) as chat messages in the form `tools.check_messages` takes; a
+    reasoning item goes with the assistant turn after it. Raises ToolError naming `input`."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
@@ -73,25 +73,58 @@ def input_messages(raw: Any) -> list[dict]:
     for i, item in enumerate(raw):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
-            out.append({"role": item.get("role"), "content": item.get("content")})
+            _add_turn(out, {"role": item.get("role"), "content": item.get("content")})
+        elif kind == "reasoning" and _reasoning_text(item) is not None:
+            out.append({"role": "assistant", "content": "",
+                        "reasoning_content": _reasoning_text(item)})
         elif kind == "function_call" and isinstance(item.get("call_id"), str):
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _add_call(out, {"id": item["call_id"], "type": "function", "function": {
+                "name": item.get("name"), "arguments": item.get("arguments")}})
         elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else json.dumps(output)})
         else:
-            raise tools.ToolError(f"input[{i}] must be a message, function_call (with call_id) "
-                                  "or function_call_output (with call_id) item", "input")
+            raise tools.ToolError(f"input[{i}] must be a message, reasoning (content a list of "
+                                  "reasoning_text parts), function_call (with call_id) or "
+                                  "function_call_output (with call_id) item", "input")
     try:
         return tools.check_messages(out)
     except tools.ToolError as e:
         raise tools.ToolError(str(e).replace("messages[", "input["), "input") from None
+
+
+def _reasoning_text(item: dict) -> str | None:
+    """A reasoning item's text (its reasoning_text parts), None if its content is malformed."""
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(
+            p.get("text"), str) for p in parts):
+        return None
+    return "".join(p["text"] for p in parts)
+
+
+def _thought_only(messages: list[dict]) -> bool:
+    """Is the last message an assistant turn with reasoning and nothing else yet?"""
+    last = messages[-1] if messages else {}
+    return (last.get("role") == "assistant" and "reasoning_content" in last
+            and not last["content"] and "tool_calls" not in last)
+
+
+def _add_turn(messages: list[dict], message: dict) -> None:
+    """`message` after `messages`; an assistant's joins the reasoning before it."""
+    if message["role"] == "assistant" and _thought_only(messages):
+        messages[-1]["content"] = message["content"]
+    else:
+        messages.append(message)
+
+
+def _add_call(messages: list[dict], call: dict) -> None:
+    """A tool call joins the assistant turn before it when that one calls or only reasoned."""
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant" and ("tool_calls" in last or _thought_only(messages)):
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
 def text_format(body: dict) -> dict | None:
@@ -115,14 +148,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseBuilder:
-    """A response's output items and stream events, fed the model's text as it arrives."""
+#: What an item of text is written as: its part's type and its stream events' prefix
+_PARTS = {"reasoning": ("reasoning_text", "response.reasoning_text"),
+          "message": ("output_text", "response.output_text")}
 
-    def __init__(self, response: dict, choice: tools.ToolChoice | None):
+
+class ResponseBuilder:
+    """A response's output items and stream events, fed the model's text as it arrives. Under a
+    reasoning parser the reasoning comes first as a `reasoning` item (its text a
+    `reasoning_text` part); tool calls are parsed from the answer after it."""
+
+    def __init__(self, response: dict, choice: tools.ToolChoice | None,
+                 parser: reasoning.ReasoningParser | None = None):
         self.response = response  # the skeleton: id, model, the request's settings
         self._parser = tools.call_parser(choice)
+        self._splitter = reasoning.ReasoningSplitter(parser) if parser is not None else None
         self._seq = 0
-        self._open: dict | None = None  # the message item being written
+        self._open: dict | None = None  # the reasoning or message item being written
         self.output: list[dict] = []
 
     def _event(self, kind: str, **fields) -> dict:
@@ -135,26 +177,37 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=snapshot)]
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
-        out = []
+        thought, text = (self._splitter.feed(text, final) if self._splitter is not None
+                         else ("", text))
+        out = self._text("reasoning", thought) if thought else []
         for kind, value in tools.text_events(self._parser, text, final):
-            out += self._text(value) if kind == "text" else self._call(value)
+            out += self._text("message", value) if kind == "text" else self._call(value)
         return out
 
-    def _text(self, text: str) -> list[dict]:
-        events = []
+    def _text(self, kind: str, text: str) -> list[dict]:
+        """`text` added to the open item of `kind` (reasoning or message), opened first when
+        another is."""
+        events = self._close("completed") if self._open and self._open["type"] != kind else []
+        part_type, prefix = _PARTS[kind]
         if self._open is None:
-            self._open = {"id": new_id("msg"), "type": "message", "role": "assistant",
-                          "status": "in_progress", "content": []}
+            self._open = ({"id": new_id("msg"), "type": "message", "role": "assistant"}
+                          if kind == "message" else
+                          {"id": new_id("rs"), "type": "reasoning", "summary": []})
+            self._open |= {"status": "in_progress", "content": []}
             self.output.append(self._open)
             events.append(self._event("response.output_item.added", item=self._item(),
                                       output_index=len(self.output) - 1))
-            self._open["content"].append({"type": "output_text", "text": "",
-                                          "annotations": [], "logprobs": []})
+            self._open["content"].append({"type": part_type, "text": ""} | (
+                {"annotations": [], "logprobs": []} if kind == "message" else {}))
             events.append(self._event("response.content_part.added", **self._where(),
-                                      part=self._open["content"][0] | {"text": ""}))
+                                      part=dict(self._open["content"][0])))
         self._open["content"][0]["text"] += text
-        return events + [self._event("response.output_text.delta", **self._where(), delta=text,
-                                     logprobs=[])]
+        return events + [self._event(f"{prefix}.delta", **self._where(), delta=text,
+                                     **self._logprobs())]
+
+    def _logprobs(self) -> dict:
+        """The empty logprobs an output_text event carries (a reasoning_text one has none)."""
+        return {"logprobs": []} if self._open["type"] == "message" else {}
 
     def _item(self) -> dict:
         return self._open | {"content": [dict(c) for c in self._open["content"]]}
@@ -168,8 +221,8 @@ class ResponseBuilder:
             return []
         part, where = self._open["content"][0], self._where()
         self._open["status"] = status
-        events = [self._event("response.output_text.done", **where, text=part["text"],
-                              logprobs=[]),
+        prefix = _PARTS[self._open["type"]][1]
+        events = [self._event(f"{prefix}.done", **where, text=part["text"], **self._logprobs()),
                   self._event("response.content_part.done", **where, part=dict(part)),
                   self._event("response.output_item.done", item=self._item(),
                               output_index=where["output_index"])]
@@ -215,14 +268,16 @@ class ResponseBuilder:
 
     def conversation(self) -> list[dict]:
         """The output as chat messages (checked form), to append to the stored conversation."""
-        messages = []
+        messages: list[dict] = []
         for item in self.output:
-            if item["type"] == "message":
-                messages.append({"role": "assistant", "content": item["content"][0]["text"]})
-                continue
-            call = {"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
-            if messages and "tool_calls" in messages[-1]:
-                messages[-1]["tool_calls"].append(call)
+            if item["type"] == "reasoning":
+                messages.append({"role": "assistant", "content": "",
+                                 "reasoning_content": item["content"][0]["text"]})
+            elif item["type"] == "message":
+                _add_turn(messages, {"role": "assistant", "content": item["content"][0]["text"]})
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                _add_call(messages, {"id": item["call_id"], "name": item["name"],
+                                     "arguments": item["arguments"]})
+        for m in messages:  # the checked form's content is a string
+            m["content"] = m["content"] or ""
         return messages

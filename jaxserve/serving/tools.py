@@ -185,7 +185,9 @@ def _calls(raw: Any, where: str) -> list[dict]:
 
 
 def check_messages(messages: Any) -> list[dict]:
-    """Chat messages -> [{role, content (str), tool_calls?, tool_call_id?}]. Raises ToolError
+    """Chat messages -> [{role, content (str), tool_calls?, tool_call_id?,
+    reasoning_content?}]. An assistant's reasoning (`reasoning_content`, or vLLM's newer
+    `reasoning`) goes to the template, which decides whether to show it. Raises ToolError
     naming `messages`."""
     if not isinstance(messages, list) or not messages:
         raise ToolError("messages must be a non-empty list", "messages")
@@ -201,6 +203,11 @@ def check_messages(messages: Any) -> list[dict]:
             msg["content"] = "" if m.get("content") is None else _text(m["content"], where)
         else:
             msg["content"] = _text(m.get("content"), where)
+        thought = m.get("reasoning_content", m.get("reasoning"))
+        if role == "assistant" and thought is not None:
+            if not isinstance(thought, str):
+                raise ToolError(f"{where}.reasoning_content must be a string", "messages")
+            msg["reasoning_content"] = thought
         if role == "tool":
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
         out.append(msg)
@@ -321,7 +328,7 @@ class CallParser:
                 events += self._say(self._buf[:start])
                 self._buf, self._in_call = self._buf[start + len(OPEN):], True
                 continue
-            keep = _partial_suffix(self._buf, OPEN) if self._parallel or not self.num_calls else 0
+            keep = partial_suffix(self._buf, OPEN) if self._parallel or not self.num_calls else 0
             events += self._say(self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return events
@@ -379,7 +386,7 @@ def text_events(parser: CallParser | None, text: str, final: bool) -> list[tuple
     return parser.feed(text) + (parser.finish() if final else [])
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (a tag maybe on its way)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):

@@ -86,3 +86,25 @@ def write_fp8_pair(src, fp8_dir, twin_dir, form: str = "block") -> tuple[str, st
         (d / "config.json").write_text(json.dumps(config))
         save_file(tensors, str(d / "model.safetensors"))
     return str(fp8_dir), str(twin_dir)
+
+
+def write_successor_model(d, vocab_size: int, successors: dict[int, int], seed: int = 0,
+                          **sizes) -> str:
+    """write_tiny_llama's model (`sizes` as there) whose greedy next token after token `a` is
+    `successors[a]`, whatever came before: every layer adds nothing to the residual stream
+    (o_proj and down_proj zero), so the last hidden state is the token's own embedding, and
+    lm_head's row of `successors[a]` is that embedding, scaled far above the other rows. A
+    model that writes a known text, for end-to-end tests of what a text holds."""
+    from safetensors.numpy import load_file, save_file
+
+    path = pathlib.Path(write_tiny_llama(d, vocab_size, seed, **sizes | {
+        "tie_word_embeddings": False}))
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, w in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = np.zeros_like(w)
+    embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+    for a, b in successors.items():
+        head[b] += 50.0 * embed[a] / np.linalg.norm(embed[a])
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
