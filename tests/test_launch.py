@@ -1,5 +1,7 @@
 """The launcher's exit status names the process that failed first for its own reason."""
 
+import os
+import re
 import signal
 
 import pytest
@@ -67,3 +69,23 @@ def test_each_engine_gets_devices_of_its_own():
     with pytest.raises(ValueError, match="engine 2 needs 2 GPUs past the first 4 of "
                                          "CUDA_VISIBLE_DEVICES=4,5,6,7$"):
         engine_devices(some, 2, 2)
+
+
+def test_each_disaggregated_launch_hands_its_processes_a_fresh_secret(capfd):
+    """The same secret to every process, in its environment and never on a command line (any
+    local user can read those); another launch, another secret."""
+    from jaxserve.launch import launch_disaggregated
+    from jaxserve.serving.engine_secret import ENV
+
+    child = f"import os, sys; print('child', os.environ['{ENV}'], *sys.argv[1:])"
+    seen = []
+    for _ in range(2):
+        assert launch_disaggregated(1, 1, ["-c", child]) == 0
+        lines = [ln.split() for ln in capfd.readouterr().out.splitlines()
+                 if ln.startswith("child ")]
+        assert len(lines) == 3 and len({ln[1] for ln in lines}) == 1  # two engines, a front
+        secret = lines[0][1]
+        assert re.fullmatch(r"[0-9a-f]{64}", secret)
+        assert not any(secret in " ".join(ln[2:]) for ln in lines)
+        seen.append(secret)
+    assert seen[0] != seen[1] and ENV not in os.environ

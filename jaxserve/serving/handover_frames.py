@@ -1,5 +1,8 @@
 """The frames a prefill or decode engine process takes from the front of disaggregated serving
-(serving/disagg.py), on top of the socket protocol (protocol.py):
+(serving/disagg.py), on top of the socket protocol (protocol.py). An engine with the engines'
+secret (engine_secret.py) first sends {"type": "challenge", "nonce"}, and takes no other frame
+before {"type": "hello", "nonce", "proof"}, which it answers with {"type": "hello", "proof"};
+anything else is refused with the error "unauthorized" and the connection closed.
 
     {"type": "engine_info"} -> {"type": "engine_info", "role", "transfer_address",
                                 "block_size", "num_kv_blocks", "max_num_seqs"}

@@ -92,9 +92,10 @@ def test_greedy_tokens_equal_the_colocated_engine(launched, expected):
 def test_engines_split_over_devices_of_their_own(tiny_llama_dir, expected, colocated):
     """`--devices-per-engine 2` gives each engine two devices of its own and
     `--tensor-parallel-size 2` splits its kv heads over them: greedy tokens, streamed and not,
-    equal the colocated single-device engine's, and a handover carries the model's heads."""
+    equal the colocated single-device engine's, and a handover carries the model's heads.
+    Under --api-key too: the clients bring the key, the front proves the engines' secret."""
     run = Launched(tiny_llama_dir, engines=1, launch=("--devices-per-engine", "2"),
-                   serve=("--tensor-parallel-size", "2"))
+                   serve=("--tensor-parallel-size", "2", "--api-key", "k", "--public-metrics"))
     try:
         assert sum("tensor parallel: mesh {'model': 2} over ['cpu:0', 'cpu:1']" in line
                    for line in run.lines) == 2  # each engine on devices of its own
