@@ -14,19 +14,18 @@ place of the colocated ReplicaSet):
    (runtime/kv_transfer.py) and decodes; the prefill engine is told to free its copy.
 
 Frames: serving/handover_frames.py. Under the launcher the engines serve only a front that
-proves their secret (serving/engine_secret.py). With n > 1 each sample is its own request
-through the engines (seeds as one engine gives its samples) and the front merges their
-outputs. An engine whose connection drops fails the requests it held, with an error naming it;
-the others go on, and /health and /metrics name it.
+proves their secret, and each handover's blocks wait under a number only the secret gives
+(serving/engine_secret.py). With n > 1 each sample is its own request through the engines
+(seeds as one engine gives its samples) and the front merges their outputs. An engine whose
+connection drops fails the requests it held, with an error naming it; the others go on, and
+/health and /metrics name it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
-import random
 import time
 from typing import Any
 
@@ -294,7 +293,6 @@ class DisaggSet:
         self.tokens_after_disconnect = 0
         self._live: dict[str, _Request] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._uuids = itertools.count(random.getrandbits(40) << 20)
         self._snaps: dict[str, dict] = {}  # per engine: its latest stats
 
     @property
@@ -432,16 +430,16 @@ class DisaggSet:
             if r is None:
                 return
             dq, reserved = r
-            uuid = next(self._uuids)
+            name = engine_secret.offer_name()
             s.prefill.send({"type": "offer", "id": eid, "first_block": reserved["first_block"],
-                            "num_blocks": reserved["num_blocks"], "uuid": uuid})
+                            "num_blocks": reserved["num_blocks"], "name": name})
             offered = await q.get()
             if offered["type"] != "offered":
                 self._frame(req, s, offered, s.prefill)
                 if not s.finished:
                     s.fail(f"offering the K/V failed: {offered.get('message')}")
                 return
-            s.decode.send({"type": "pull", "id": eid, "uuid": uuid,
+            s.decode.send({"type": "pull", "id": eid, "name": name,
                            "address": s.prefill.info["transfer_address"]})
             while not s.finished:
                 msg = await dq.get()

@@ -10,6 +10,9 @@ never crosses a socket:
   the peer answers with a proof: an HMAC of the secret over both sides' nonces. Any other first
   frame, or a wrong proof, is logged and the connection closed. The engine proves itself back
   the same way, so a front never sends a prompt to a process that took an engine's port.
+- A handover's K/V waits on the prefill engine's transfer server (runtime/kv_transfer.py), which
+  any process can reach, under a number it derives from the offer's random name with the secret:
+  knowing a name, or many, does not let a stranger pull the blocks.
 """
 
 from __future__ import annotations
@@ -53,3 +56,14 @@ def is_proof(secret: bytes, claimed, who: str, *nonces: str) -> bool:
     return isinstance(claimed, str) and hmac.compare_digest(
         claimed.encode(), proof(secret, who, *nonces).encode())
 
+
+def offer_name() -> str:
+    """A fresh name for one handover's offer: random, so one name tells nothing of another."""
+    return secrets.token_hex(16)
+
+
+def transfer_uuid(secret: bytes | None, name: str) -> int:
+    """The number the transfer server holds offer `name` under: 64 bits (its width) of an
+    HMAC of the name, so that without the secret a name cannot be turned into it."""
+    digest = hmac.new(secret or b"", b"kv-offer\n" + name.encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big")

@@ -1,12 +1,18 @@
 """The engines' doors under `python -m jaxserve launch --prefill 1 --decode 1`: a stranger on the
-prefill engine's socket or on the decode engine's socket is refused, holds nothing and gets no
-token; the front serves on, exactly, and every block comes back. A front refuses an engine that
-cannot prove the secret."""
+prefill engine's socket, on the decode engine's socket, or at the prefill engine's transfer
+server with an offer's name is refused, holds nothing and gets no token; the front serves on,
+exactly, and every block comes back. A front refuses an engine that cannot prove the
+secret."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -123,6 +129,114 @@ def test_a_stranger_on_the_decode_engine_socket_is_refused(launched, reference):
     assert held == (0, 0)
     assert [f["type"] for f in got] == ["challenge", "error"] and closed
     _refused(launched, port, "its first frame is 'accept', not a hello")
+    _serves_on(launched, reference)
+
+
+# A stranger at a transfer server: pulls each number it may try for an offer, and says which
+# it got. A pull of a number never offered waits on, so the test kills it.
+STRANGER = """
+import datetime, sys, threading
+import jax
+from jax.experimental import transfer
+address, dtype, shape, *uuids = sys.argv[1:]
+shape = tuple(int(n) for n in shape.split(","))
+device = jax.devices()[0]
+server = transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0"])
+conn = server.connect(address)
+spec = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+def pull(uuid):
+    later = datetime.datetime.now() + datetime.timedelta(seconds=30)
+    jax.block_until_ready(conn.pull(int(uuid), [spec, spec], timeout=later))
+    print("pulled", uuid, flush=True)
+for uuid in uuids:
+    threading.Thread(target=pull, args=(uuid,), daemon=True).start()
+print("pulling", flush=True)
+threading.Event().wait()
+"""
+
+
+def _stranger_pulls(address: str, uuids: list[int], shape: tuple, dtype: str) -> list[str]:
+    """The numbers a stranger pulled from `address` within a few seconds of asking."""
+    proc = subprocess.Popen([sys.executable, "-c", STRANGER, address, dtype,
+                             ",".join(map(str, shape)), *map(str, uuids)],
+                            stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 60
+        while "pulling\n" not in lines:
+            assert time.time() < deadline and proc.poll() is None, lines
+            time.sleep(0.05)
+        time.sleep(3)  # an offer it can name comes at once
+    finally:
+        proc.kill()
+        proc.wait()
+    reader.join(5)
+    return [line.split()[1] for line in lines if line.startswith("pulled")]
+
+
+def _front_secret(launched) -> bytes:
+    """The secret as the launcher handed it to the front: a process of the same user can read
+    another's environment, as it could attach a debugger to it."""
+    with open(f"/proc/{launched.pids['front']}/environ", "rb") as f:
+        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    return env[engine_secret.ENV.encode()]
+
+
+def test_a_stranger_who_knows_an_offers_name_cannot_pull_its_blocks(launched, reference,
+                                                                     tiny_llama_dir):
+    """The test plays a second front of the launch and lets a stranger see the name of its
+    offer: the numbers the stranger can make of the name without the secret take nothing;
+    the decode engine then pulls the blocks, and decodes the reference's tokens."""
+    secret = _front_secret(launched)
+    with open(os.path.join(tiny_llama_dir, "config.json")) as f:
+        cfg = json.load(f)
+
+    async def hand_over() -> tuple[list[str], list[int]]:
+        p = EngineLink("p", "prefill", launched.addresses["prefill-0"], secret=secret)
+        d = EngineLink("d", "decode", launched.addresses["decode-0"], secret=secret)
+        try:
+            await asyncio.gather(p.connect(30), d.connect(30))
+            pq, dq = p.open("x"), d.open("x")
+            p.send(GENERATE)
+            first = await pq.get()
+            d.send(GENERATE | {"type": "accept", "first_token": first["token_ids"][0]})
+            reserved = await dq.get()
+            assert reserved["type"] == "reserved" and reserved["num_blocks"] == 1, reserved
+            offer = {"type": "offer", "id": "x", "first_block": reserved["first_block"],
+                     "num_blocks": 1}
+            p.send(offer | {"name": 5})
+            refused = await pq.get()
+            assert refused["code"] == "invalid_request", refused
+            assert refused["message"].startswith("offer: name: must be a string"), refused
+            name = engine_secret.offer_name()
+            p.send(offer | {"name": name})
+            offered = await pq.get()
+            shape = (cfg["num_hidden_layers"], 1, 8, cfg["num_key_value_heads"],
+                     cfg["hidden_size"] // cfg["num_attention_heads"])
+            itemsize = offered["bytes"] // (2 * shape[0] * shape[2] * shape[3] * shape[4])
+            guesses = [int(name, 16) % 2**64, int(name[:16], 16),
+                       engine_secret.transfer_uuid(WRONG, name),
+                       engine_secret.transfer_uuid(None, name)]
+            stolen = await asyncio.to_thread(
+                _stranger_pulls, p.info["transfer_address"], guesses, shape,
+                {4: "float32", 2: "bfloat16"}[itemsize])
+            assert stolen == []
+            d.send({"type": "pull", "id": "x", "name": name,
+                    "address": p.info["transfer_address"]})
+            while (msg := await dq.get())["type"] != "done":
+                assert msg["type"] in ("pulled", "token"), msg
+            p.send({"type": "release", "id": "x"})
+            assert (await pq.get())["finish_reason"] == "handover"
+            return stolen, msg["token_ids"]
+        finally:
+            p.close()
+            d.close()
+
+    stolen, tokens = asyncio.run(hand_over())
+    assert (stolen, tokens) == ([], reference)
     _serves_on(launched, reference)
 
 
