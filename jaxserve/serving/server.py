@@ -50,7 +50,7 @@ class Server(ServingCore):
         self.socket.stop_accepting()
         await self.finish()
         await asyncio.sleep(0.2)  # let the final "abort" frames go out
-        self.socket.close_connections()
+        await self.socket.close_connections()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         self.stop()

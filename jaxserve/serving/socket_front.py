@@ -64,6 +64,7 @@ class _Conn:
         self.active: dict[str, str] = {}  # client id -> engine id
         self.streams: dict[str, RequestStream] = {}  # engine id -> its outputs
         self.tasks: set[asyncio.Task] = set()
+        self.handler = asyncio.current_task()  # the task that reads its frames
         self.closed = False
         self.watched: Watched | None = None
         self._left: set[str] = set()  # engine ids already counted as left by their client
@@ -130,14 +131,18 @@ class SocketFront:
         if self._server is not None:
             self._server.close()
 
-    def close_connections(self) -> None:
-        """Close every connection, cutting off those that do not read their last frames."""
+    async def close_connections(self, timeout_s: float = 1.0) -> None:
+        """Close every connection, cutting off those that do not read their last frames, and
+        let their handlers see the end (up to `timeout_s`): a handler still waiting when the
+        event loop closes is cancelled, which asyncio logs as an error with a traceback."""
         for conn in list(self._conns):
             conn.closed = True
             if conn.writer.transport.get_write_buffer_size():
                 conn.writer.transport.abort()
             else:
                 conn.writer.close()
+        if self._conns:
+            await asyncio.wait([c.handler for c in self._conns], timeout=timeout_s)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(next(self._conn_numbers), writer)

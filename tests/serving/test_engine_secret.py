@@ -1,8 +1,8 @@
 """The engines' doors under `python -m jaxserve launch --prefill 1 --decode 1`: a stranger on the
 prefill engine's socket, on the decode engine's socket, or at the prefill engine's transfer
 server with an offer's name is refused, holds nothing and gets no token; the front serves on,
-exactly, and every block comes back. A front refuses an engine that cannot prove the
-secret."""
+exactly, and every block comes back. A front refuses an engine that cannot prove the secret,
+and a clean shutdown logs no traceback."""
 
 from __future__ import annotations
 
@@ -275,3 +275,17 @@ def test_the_secret_leaves_the_environment_as_it_is_read():
     assert engine_secret.from_env(env) is None
     with pytest.raises(ValueError, match=f"^{engine_secret.ENV}: give at least 32 characters"):
         engine_secret.from_env({engine_secret.ENV: "short"})
+
+
+def test_a_clean_shutdown_logs_no_traceback(launched):
+    """With clients still connected to the front (the socket protocol, and HTTP keeping its
+    connection alive), as a server has them when it is told to stop."""
+    http = launched.client()
+    http.completions.create(model="jaxserve", prompt=PROMPT, max_tokens=2)
+    with Client(port=launched.port):
+        launched.stop()
+    http.close()
+    assert launched.proc.returncode == 0
+    log = "".join(launched.lines)
+    assert "exit statuses: [0, 0, 0]" in log
+    assert "Traceback" not in log and "CancelledError" not in log, log
