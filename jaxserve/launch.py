@@ -25,7 +25,7 @@ import sys
 import time
 
 from jaxserve.runtime.distributed import ENV, EXIT_PEER_LOST
-from jaxserve.serving import api_key
+from jaxserve.serving import api_key, engine_secret
 
 
 def free_port() -> int:
@@ -68,7 +68,9 @@ def launch_disaggregated(num_prefill: int, num_decode: int, command: list[str],
     a free socket port (HTTP off), and one front: `command` as given (its ports are the
     clients'), told the engines' addresses (serving/disagg.py). `devices_per_engine`: give
     each engine devices of its own (for --tensor-parallel-size): GPUs by
-    CUDA_VISIBLE_DEVICES, engine i the i-th run of that many; on a CPU, that many forced."""
+    CUDA_VISIBLE_DEVICES, engine i the i-th run of that many; on a CPU, that many forced.
+    Every process gets a fresh secret in its environment: the engines serve only a front
+    that proves it (serving/engine_secret.py)."""
     for name, n in (("prefill", num_prefill), ("decode", num_decode)):
         if n < 1:
             raise ValueError(f"{name} must be positive, got {n}")
@@ -78,18 +80,20 @@ def launch_disaggregated(num_prefill: int, num_decode: int, command: list[str],
         raise ValueError(f"devices_per_engine must be positive, got {devices_per_engine}")
     runs, addresses = [], {"prefill": [], "decode": []}
     ports = iter(free_ports(num_prefill + num_decode))
+    secret = {engine_secret.ENV: engine_secret.new()}  # in the environment: argv is public
     for role, n in (("prefill", num_prefill), ("decode", num_decode)):
         for i in range(n):
             port = next(ports)
             addresses[role].append(f"127.0.0.1:{port}")
-            env = dict(os.environ)
+            env = dict(os.environ, **secret)
             if devices_per_engine:
                 env = engine_devices(env, len(runs), devices_per_engine)
             runs.append((f"{role} {i}", [*command, "--role", role, "--host", "127.0.0.1",
                                          "--port", str(port), "--http-port", "0"],
                          env, f" (127.0.0.1:{port})"))
     runs.append(("front", [*command, "--prefill-engines", *addresses["prefill"],
-                           "--decode-engines", *addresses["decode"]], dict(os.environ), ""))
+                           "--decode-engines", *addresses["decode"]],
+                 dict(os.environ, **secret), ""))
     return _run(runs)
 
 

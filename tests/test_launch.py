@@ -1,5 +1,7 @@
 """The launcher's exit status names the process that failed first for its own reason."""
 
+import os
+import re
 import signal
 
 import pytest
@@ -83,3 +85,23 @@ def test_every_launched_process_gets_the_api_key_through_its_environment(capfd):
     for line in lines:
         argv, key = line.removeprefix("argv ").split(" key ")
         assert key == "s3cret" and "s3cret" not in argv and "--api-key" not in argv, line
+
+
+def test_each_disaggregated_launch_hands_its_processes_a_fresh_secret(capfd):
+    """The same secret to every process, in its environment and never on a command line (any
+    local user can read those); another launch, another secret."""
+    from jaxserve.launch import launch_disaggregated
+    from jaxserve.serving.engine_secret import ENV
+
+    child = f"import os, sys; print('child', os.environ['{ENV}'], *sys.argv[1:])"
+    seen = []
+    for _ in range(2):
+        assert launch_disaggregated(1, 1, ["-c", child]) == 0
+        lines = [ln.split() for ln in capfd.readouterr().out.splitlines()
+                 if ln.startswith("child ")]
+        assert len(lines) == 3 and len({ln[1] for ln in lines}) == 1  # two engines, a front
+        secret = lines[0][1]
+        assert re.fullmatch(r"[0-9a-f]{64}", secret)
+        assert not any(secret in " ".join(ln[2:]) for ln in lines)
+        seen.append(secret)
+    assert seen[0] != seen[1] and ENV not in os.environ

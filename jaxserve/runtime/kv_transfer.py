@@ -1,12 +1,13 @@
 """Moving a request's KV blocks from one engine's pool to another's (disaggregated serving).
 
 The prefill engine gathers the blocks into fresh arrays and offers them under a number (a
-uuid the front chooses) on its `jax.experimental.transfer` server; the decode engine pulls
-them by that number from the server's address, device to device, and scatters them into its
-own pool. Every pool of the engine moves together (the target's and a draft model's), block i
-of each. A gather or scatter of n blocks runs as one program per power of two in n's binary
-form, so few programs ever compile and no padding is sent. docs/architecture.md says why this
-path rather than one staged through host memory.
+64-bit uuid; serving/engine_secret.py derives it from the offer's name) on its
+`jax.experimental.transfer` server; the decode engine pulls them by that number from the
+server's address, device to device, and scatters them into its own pool. Every pool of the
+engine moves together (the target's and a draft model's), block i of each. A gather or
+scatter of n blocks runs as one program per power of two in n's binary form, so few programs
+ever compile and no padding is sent. docs/architecture.md says why this path rather than one
+staged through host memory.
 
 Under tensor parallelism a pool's kv heads are split over the engine's devices, and replicated
 or padded where they do not divide (runtime/sharding.py's HeadLayout). Blocks travel in the

@@ -13,13 +13,13 @@ import signal
 import sys
 import time
 
-from jaxserve.config import EngineConfig, add_options, from_options
+from jaxserve.config import EngineConfig, Role, add_options, from_options
 from jaxserve.engine import data_parallel
 from jaxserve.engine.llm_engine import settle_heap
 from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
 from jaxserve.runtime import distributed
 from jaxserve.runtime.distributed import DistributedConfig
-from jaxserve.serving import api_key
+from jaxserve.serving import api_key, engine_secret
 from jaxserve.serving.disagg import DisaggSet, FrontConfig, FrontModel
 from jaxserve.serving.loras import check_lora_options
 from jaxserve.serving.server import Server, ServerConfig
@@ -60,9 +60,9 @@ def split_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
 
 
 async def serve(engines, server_config: ServerConfig, step_hooks: tuple = (),
-                remote=None) -> None:
+                remote=None, secret: bytes | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down in order."""
-    server = Server(engines, server_config, step_hooks, remote)
+    server = Server(engines, server_config, step_hooks, remote, secret)
     try:
         await server.start()
     except ValueError as e:  # an adapter of --lora-modules that does not load
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     front = from_options(FrontConfig, args)
     try:  # refused here, before the model loads
         check_lora_options(engine_config.enable_lora, server_config.lora_modules)
+        # the processes of disaggregated serving prove this to each other; a plain server's
+        # socket is governed by --api-key alone
+        is_internal = front.is_front or engine_config.role is not Role.BOTH
+        secret = engine_secret.from_env() if is_internal else None
     except ValueError as e:
         raise SystemExit(f"serve.py: error: {e}") from None
     if front.is_front:  # the engines run elsewhere: serve the clients and route to them
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         remote = DisaggSet(list(front.prefill_engines or ()), list(front.decode_engines or ()),
                            engine_config.block_size, server_config.max_queue_per_request,
                            prefix_aware=engine_config.enable_prefix_caching,
-                           api_key=server_config.api_key,
+                           api_key=server_config.api_key, secret=secret,
                            connect_timeout_s=front.engine_connect_timeout_s,
                            read_adapter=model.read_adapter)
         asyncio.run(serve(model, server_config, remote=remote))
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         hooks = (profiler.on_step,)
     if args.profiler_port:
         start_profiler_server(args.profiler_port)
-    asyncio.run(serve(engines, server_config, hooks))
+    asyncio.run(serve(engines, server_config, hooks, secret=secret))
     engines[0].runner.stop_followers()
     if profiler is not None:
         profiler.stop()

@@ -13,10 +13,12 @@ place of the colocated ReplicaSet):
 3. the prefill engine offers the other blocks; the decode engine pulls them
    (runtime/kv_transfer.py) and decodes; the prefill engine is told to free its copy.
 
-Frames: serving/handover_frames.py. With n > 1 each sample is its own request through the
-engines (seeds as one engine gives its samples) and the front merges their outputs. An engine
-whose connection drops fails the requests it held, with an error naming it; the others go on,
-and /health and /metrics name it.
+Frames: serving/handover_frames.py. Under the launcher the engines serve only a front that
+proves their secret, and each handover's blocks wait under a number only the secret gives
+(serving/engine_secret.py). With n > 1 each sample is its own request through the engines
+(seeds as one engine gives its samples) and the front merges their outputs. An engine whose
+connection drops fails the requests it held, with an error naming it; the others go on, and
+/health and /metrics name it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import itertools
 import logging
-import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +42,7 @@ from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.models.loader import load_model
 from jaxserve.models.lora import load_adapter
+from jaxserve.serving import engine_secret
 from jaxserve.serving.async_engine import RequestStream
 from jaxserve.serving.protocol import ProtocolError, encode, logprob_from_wire, read_frame
 
@@ -55,8 +56,11 @@ _REFUSED = {"queue_full", "invalid_field", "invalid_request", "limit_exceeded"}
 class EngineLink:
     """One connection to an engine process; frames are sorted to the request they name."""
 
-    def __init__(self, name: str, role: str, address: str, api_key: str | None = None):
+    def __init__(self, name: str, role: str, address: str, api_key: str | None = None,
+                 secret: bytes | None = None):
+        """`secret`: the engines' secret, proved in place of `api_key`."""
         self.name, self.role, self.address, self.api_key = name, role, address, api_key
+        self.secret = secret
         self.alive = False
         self.info: dict = {}
         self.in_flight = 0  # requests it holds for this front
@@ -86,12 +90,31 @@ class EngineLink:
                 await asyncio.sleep(0.2)
         self.alive = True
         self._task = asyncio.create_task(self._read(reader))
-        if self.api_key is not None:
+        if self.secret is not None:
+            await self._hello()
+        elif self.api_key is not None:
             await self.ask({"type": "auth", "api_key": self.api_key})
         self.info = await self.ask({"type": "engine_info"})
         if self.info.get("role") != self.role:
             raise ConnectionError(f"{self.address} is a {self.info.get('role')} engine, not a "
                                   f"{self.role} engine")
+
+    async def _hello(self) -> None:
+        """Answer the engine's challenge with a proof of the secret, and check its proof back:
+        a process that took an engine's port gets no request."""
+        where = f"{self.role} engine {self.name} at {self.address}"
+        try:
+            challenge = await asyncio.wait_for(self._replies.get(), 30.0)
+        except TimeoutError:
+            challenge = _GONE
+        if challenge["type"] != "challenge" or not isinstance(challenge.get("nonce"), str):
+            raise ConnectionError(f"{where} sent no challenge: it was not started with the "
+                                  f"engines' secret")
+        theirs, mine = challenge["nonce"], engine_secret.nonce()
+        reply = await self.ask({"type": "hello", "nonce": mine, "proof": engine_secret.proof(
+            self.secret, "front", theirs, mine)})
+        if not engine_secret.is_proof(self.secret, reply.get("proof"), "engine", theirs, mine):
+            raise ConnectionError(f"{where} did not prove the engines' secret")
 
     def close(self) -> None:
         if self._writer is not None:
@@ -264,16 +287,17 @@ class DisaggSet:
 
     def __init__(self, prefill: list[str], decode: list[str], block_size: int,
                  max_queue_per_request: int, *, prefix_aware: bool = True,
-                 api_key: str | None = None, connect_timeout_s: float = 600.0,
+                 api_key: str | None = None, secret: bytes | None = None,
+                 connect_timeout_s: float = 600.0,
                  read_adapter: Callable[[str], Any] | None = None):
         """`read_adapter`: reads and checks a LoRA adapter from its path (FrontModel's);
         None: this front serves none."""
         if not prefill or not decode:
             raise ValueError("prefill_engines and decode_engines: give at least one address "
                              "of each")
-        self.prefill = [EngineLink(f"prefill-{i}", "prefill", a, api_key)
+        self.prefill = [EngineLink(f"prefill-{i}", "prefill", a, api_key, secret)
                         for i, a in enumerate(prefill)]
-        self.decode = [EngineLink(f"decode-{i}", "decode", a, api_key)
+        self.decode = [EngineLink(f"decode-{i}", "decode", a, api_key, secret)
                        for i, a in enumerate(decode)]
         self.router = Router(len(prefill), block_size, prefix_aware=prefix_aware)
         self.max_queue_per_request = max_queue_per_request
@@ -283,7 +307,6 @@ class DisaggSet:
         self.tokens_after_disconnect = 0
         self._live: dict[str, _Request] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._uuids = itertools.count(random.getrandbits(40) << 20)
         self._snaps: dict[str, dict] = {}  # per engine: its latest stats
 
     @property
@@ -439,16 +462,16 @@ class DisaggSet:
             if r is None:
                 return
             dq, reserved = r
-            uuid = next(self._uuids)
+            name = engine_secret.offer_name()
             s.prefill.send({"type": "offer", "id": eid, "first_block": reserved["first_block"],
-                            "num_blocks": reserved["num_blocks"], "uuid": uuid})
+                            "num_blocks": reserved["num_blocks"], "name": name})
             offered = await q.get()
             if offered["type"] != "offered":
                 self._frame(req, s, offered, s.prefill)
                 if not s.finished:
                     s.fail(f"offering the K/V failed: {offered.get('message')}")
                 return
-            s.decode.send({"type": "pull", "id": eid, "uuid": uuid,
+            s.decode.send({"type": "pull", "id": eid, "name": name,
                            "address": s.prefill.info["transfer_address"]})
             while not s.finished:
                 msg = await dq.get()

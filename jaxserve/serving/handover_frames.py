@@ -1,19 +1,23 @@
 """The frames a prefill or decode engine process takes from the front of disaggregated serving
-(serving/disagg.py), on top of the socket protocol (protocol.py):
+(serving/disagg.py), on top of the socket protocol (protocol.py). An engine with the engines'
+secret (engine_secret.py) first sends {"type": "challenge", "nonce"}, and takes no other frame
+before {"type": "hello", "nonce", "proof"}, which it answers with {"type": "hello", "proof"};
+anything else is refused with the error "unauthorized" and the connection closed.
 
     {"type": "engine_info"} -> {"type": "engine_info", "role", "transfer_address",
                                 "block_size", "num_kv_blocks", "max_num_seqs"}
   prefill (a "generate" with stream=True runs the prompt; its first token comes as a "token"
   frame, and the request then waits for its handover):
-    {"type": "offer", "id", "first_block", "num_blocks", "uuid"}
-        -> {"type": "offered", "id", "bytes"}   (blocks offered for one pull under uuid)
+    {"type": "offer", "id", "first_block", "num_blocks", "name"}
+        -> {"type": "offered", "id", "bytes"}   (blocks offered for one pull under the name:
+                                                 a fresh random string of up to 64 characters)
     {"type": "release", "id"}   (pulled: its blocks go back; a "done" frame with
                                  finish_reason "handover" ends it)
   decode:
     {"type": "accept", ...the fields of "generate" (its adapter named in full)...,
      "first_token": int, "first_logprob": entry (params.logprobs set)}
         -> {"type": "reserved", "id", "first_block", "num_blocks"}, or an error "no_room"
-    {"type": "pull", "id", "address", "uuid"}
+    {"type": "pull", "id", "address", "name"}
         -> {"type": "pulled", "id", "bytes", "seconds"}, then its "token" and "done" frames
            as for a "generate"; or an error "handover_failed" (the request is aborted)
 """
@@ -25,10 +29,12 @@ import time
 
 from jaxserve.config import Role
 from jaxserve.engine.handover import NoRoom
+from jaxserve.serving import engine_secret
 from jaxserve.serving.loras import LoRAError
 from jaxserve.serving.protocol import ProtocolError, logprob_from_wire, parse_generate
 
 PULL_TIMEOUT_S = 60.0  # an offer not pulled by then is dropped; a pull waits no longer
+MAX_NAME = 64
 
 
 class HandoverFrames:
@@ -72,7 +78,8 @@ class HandoverFrames:
     async def _offer(self, conn, cid: str, msg: dict) -> None:
         engine_id = conn.active[cid]
         try:
-            first, n, uuid = (_int(msg, k) for k in ("first_block", "num_blocks", "uuid"))
+            first, n = (_int(msg, k) for k in ("first_block", "num_blocks"))
+            uuid = self._uuid(msg)
             nbytes = await self.replica.call(lambda e: e.handover.offer(
                 engine_id, first, n, uuid, PULL_TIMEOUT_S))
         except (ProtocolError, KeyError, ValueError) as e:
@@ -122,7 +129,7 @@ class HandoverFrames:
         n = self._to_pull.pop(engine_id, None)
         address = msg.get("address")
         try:
-            uuid = _int(msg, "uuid")
+            uuid = self._uuid(msg)
             if n is None or not isinstance(address, str):
                 raise ValueError("give the address of an offer for a request accepted here")
             t0 = time.perf_counter()
@@ -138,6 +145,14 @@ class HandoverFrames:
                                           f"{type(e).__name__}: {e}", cid)
             return
         conn.send({"type": "pulled", "id": cid, "bytes": nbytes, "seconds": seconds})
+
+    def _uuid(self, msg: dict) -> int:
+        """The transfer server's number for the offer the frame names."""
+        name = msg.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+            raise ProtocolError("invalid_field", f"name: must be a string of 1 to {MAX_NAME} "
+                                                 f"characters", msg.get("id"))
+        return engine_secret.transfer_uuid(self.front.secret, name)
 
 
 def _int(msg: dict, key: str) -> int:

@@ -19,9 +19,10 @@ __all__ = ["Server", "ServerConfig"]
 
 class Server(ServingCore):
     def __init__(self, engines: LLMEngine | list[LLMEngine], config: ServerConfig | None = None,
-                 step_hooks: tuple = (), remote=None):
+                 step_hooks: tuple = (), remote=None, secret: bytes | None = None):
+        """`secret`: a prefill or decode engine's secret (serving/engine_secret.py)."""
         super().__init__(engines, config, step_hooks, remote)
-        self.socket = SocketFront(self)
+        self.socket = SocketFront(self, secret)
         self._http_runner = None
         self.socket_port: int | None = None
         self.http_port: int | None = None
@@ -49,7 +50,7 @@ class Server(ServingCore):
         self.socket.stop_accepting()
         await self.finish()
         await asyncio.sleep(0.2)  # let the final "abort" frames go out
-        self.socket.close_connections()
+        await self.socket.close_connections()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         self.stop()

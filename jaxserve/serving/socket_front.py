@@ -2,18 +2,21 @@
 
 Each generate request gets a task that forwards its outputs as frames; a connection that closes
 aborts its requests, which returns their KV blocks at once. Malformed input only ever costs the
-sender an error frame (or its connection, when the byte stream itself is broken).
+sender an error frame (or its connection, when the byte stream itself is broken). A prefill or
+decode engine given the engines' secret serves only a peer that proves it (engine_secret.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from typing import Any
 
 from jaxserve.config import Role
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.engine.llm_engine import QueueFullError
+from jaxserve.serving import engine_secret
 from jaxserve.serving.async_engine import RequestStream, StreamOverflow
 from jaxserve.serving.core import LimitError, ServingCore, engine_failure
 from jaxserve.serving.flow import Watched, configure_transport
@@ -26,6 +29,8 @@ from jaxserve.serving.protocol import (
     parse_generate,
     read_frame,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class _Protocol(asyncio.StreamReaderProtocol):
@@ -59,6 +64,7 @@ class _Conn:
         self.active: dict[str, str] = {}  # client id -> engine id
         self.streams: dict[str, RequestStream] = {}  # engine id -> its outputs
         self.tasks: set[asyncio.Task] = set()
+        self.handler = asyncio.current_task()  # the task that reads its frames
         self.closed = False
         self.watched: Watched | None = None
         self._left: set[str] = set()  # engine ids already counted as left by their client
@@ -99,11 +105,14 @@ class _Conn:
 
 
 class SocketFront:
-    def __init__(self, core: ServingCore):
+    def __init__(self, core: ServingCore, secret: bytes | None = None):
+        """`secret`: the engines' secret, which a prefill or decode engine started by the
+        launcher has; each connection must then prove it before any other frame."""
         self.core = core
         role = core.engine.config.role
         # a prefill or decode engine also speaks to the front of disaggregated serving
         self.worker = HandoverFrames(self) if role is not Role.BOTH else None
+        self.secret = secret
         self._conn_numbers = itertools.count()
         self._conns: set[_Conn] = set()
         self._server: asyncio.base_events.Server | None = None
@@ -122,14 +131,18 @@ class SocketFront:
         if self._server is not None:
             self._server.close()
 
-    def close_connections(self) -> None:
-        """Close every connection, cutting off those that do not read their last frames."""
+    async def close_connections(self, timeout_s: float = 1.0) -> None:
+        """Close every connection, cutting off those that do not read their last frames, and
+        let their handlers see the end (up to `timeout_s`): a handler still waiting when the
+        event loop closes is cancelled, which asyncio logs as an error with a traceback."""
         for conn in list(self._conns):
             conn.closed = True
             if conn.writer.transport.get_write_buffer_size():
                 conn.writer.transport.abort()
             else:
                 conn.writer.close()
+        if self._conns:
+            await asyncio.wait([c.handler for c in self._conns], timeout=timeout_s)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(next(self._conn_numbers), writer)
@@ -148,6 +161,10 @@ class SocketFront:
             gone()
         authed = self.core.config.api_key is None
         try:
+            if self.secret is not None:  # the front of this engine's launch, or no one
+                authed = await self._hello(conn, reader)
+                if not authed:
+                    return
             while not conn.closed:
                 try:
                     msg = await read_frame(reader, self.core.config.max_frame_bytes)
@@ -206,6 +223,30 @@ class SocketFront:
             self.core.stall_watch.unwatch(conn.watched)
             self._conns.discard(conn)
             writer.close()
+
+    async def _hello(self, conn: _Conn, reader: asyncio.StreamReader) -> bool:
+        """Challenge the peer to prove the engines' secret; True when it does. Otherwise it
+        gets an error and the connection closes, with the reason logged, before any frame of
+        its runs."""
+        mine = engine_secret.nonce()
+        conn.send({"type": "challenge", "nonce": mine})
+        try:
+            msg = await read_frame(reader, self.core.config.max_frame_bytes)
+            reason = _refusal(self.secret, mine, msg)
+        except ProtocolError as e:
+            reason = f"its first frame is malformed: {e.message}"
+        if reason is None:
+            conn.send({"type": "hello", "proof": engine_secret.proof(
+                self.secret, "engine", mine, msg["nonce"])})
+            return True
+        host, port = conn.writer.get_extra_info("peername")[:2]
+        logger.warning("refused connection %d from %s:%d: %s", conn.number, host, port, reason)
+        conn.error("unauthorized", "this engine serves only the front of its launch: answer "
+                                   "the challenge with a hello proving the engines' secret",
+                   last=True)
+        if not conn.writer.transport.is_closing():
+            await conn.writer.drain()
+        return False
 
     async def _generate(self, conn: _Conn, msg: dict) -> None:
         try:
@@ -315,6 +356,20 @@ class SocketFront:
                 conn.left(self.core, engine_id)
             conn.active.pop(cid, None)
             conn.streams.pop(engine_id, None)
+
+
+def _refusal(secret: bytes, mine: str, msg: dict | None) -> str | None:
+    """Why a peer's first frame does not prove the secret for our nonce `mine` (None: it
+    does)."""
+    if msg is None:
+        return "it closed before its hello"
+    if msg["type"] != "hello":
+        return f"its first frame is {msg['type']!r}, not a hello"
+    if not isinstance(msg.get("nonce"), str):
+        return "its hello has no nonce"
+    if not engine_secret.is_proof(secret, msg.get("proof"), "front", mine, msg["nonce"]):
+        return "its hello's proof is wrong (not this launch's secret)"
+    return None
 
 
 def done_frame(cid: str, out: RequestOutput) -> dict[str, Any]:

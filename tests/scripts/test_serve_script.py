@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from jaxserve.launch import free_port
+from jaxserve.serving import engine_secret
 from jaxserve.serving.api_key import ENV
 from jaxserve.serving.cli import parse_args, split_config
 from jaxserve.serving.client import Client, ServerError
@@ -38,12 +39,15 @@ def test_help_lists_engine_and_server_options():
 
 
 def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
+    """Its socket's door is --api-key alone: the engines' secret of disaggregated serving, even
+    one too short to be read, means nothing to a plain server."""
     proc = subprocess.Popen(
         [sys.executable, "scripts/serve.py", "--model", tiny_llama_dir, "--port", "0",
          "--http-port", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
          "--max-model-len", "128", "--num-kv-blocks", "32", "--token-buckets", "16", "32",
-         "--seq-buckets", "4", "--block-buckets", "8", "--max-held-seqs", "0"],
-        stderr=subprocess.PIPE, text=True)
+         "--seq-buckets", "4", "--block-buckets", "8", "--max-held-seqs", "0",
+         "--api-key", "k"],
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ, **{engine_secret.ENV: "x"}))
     try:
         lines = []
         deadline = time.time() + 240
@@ -61,9 +65,11 @@ def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
         # the memory plan, printed at start: 32 blocks of 16 tokens hold 4 sequences of 128
         assert any("memory plan per device" in ln and "= 32 blocks of 16 tokens, 4 sequences "
                    "of max_model_len 128" in ln for ln in lines), "".join(lines)
-        with Client(port=port) as c:
+        with Client(port=port, api_key="k") as c:
             done = c.generate(prompt_token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True)
             assert done["completion_tokens"] == 5
+        with Client(port=port) as c, pytest.raises(ServerError, match="^unauthorized"):
+            c.generate(prompt_token_ids=[5, 6, 7], max_tokens=5)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         rest = proc.stderr.read()

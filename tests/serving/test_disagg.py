@@ -11,12 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,11 +19,11 @@ import urllib.request
 import pytest
 
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
-from jaxserve.launch import free_port
 from jaxserve.runtime.kv_cache import bytes_per_block
 from jaxserve.serving.client import Client, ServerError
 from jaxserve.testing.oracle import LORA_CONFIGS, load_hf_model, make_peft_adapter, peft_greedy
 from tests.helpers import run_all
+from tests.serving.launched import ENGINE, Launched
 
 openai = pytest.importorskip("openai")
 
@@ -37,76 +32,7 @@ PROMPTS = [SYSTEM + [11, 12, 13], SYSTEM + [21, 22], [5, 6, 7, 8, 9, 10, 11, 12,
            [300, 301, 302]]
 MAX_TOKENS = 12
 # Long answers (LONG tokens) keep a decode engine busy long enough to kill something meanwhile.
-ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=2048, num_kv_blocks=600,
-              block_size=8, token_buckets=(16, 32), seq_buckets=(2,), block_buckets=(256,),
-              kv_cache_dtype="float32")
 LONG = 1500
-
-
-def _flags(cfg: dict) -> list[str]:
-    out = []
-    for k, v in cfg.items():
-        out += [f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, tuple) else (v,))]
-    return out
-
-
-class Launched:
-    """The launcher and its processes; the front's ports and every process's pid."""
-
-    def __init__(self, model: str, engines: int = 2, launch: tuple = (), serve: tuple = ()):
-        """`engines` prefill and as many decode engines; `launch` and `serve`: more flags for
-        the launcher and for scripts/serve.py."""
-        self.http_port = free_port()
-        cache = os.environ.get("JAXSERVE_TEST_XLA_CACHE",
-                               os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve", "launch", "--prefill", str(engines), "--decode",
-             str(engines), *launch, "--", "scripts/serve.py", "--model", model, "--port", "0",
-             "--http-port", str(self.http_port), "--log-stats-interval-s", "0",
-             "--compilation-cache-dir", cache, *_flags(ENGINE), *serve],
-            stderr=subprocess.PIPE, text=True)
-        self.pids: dict[str, int] = {}
-        self.lines: list[str] = []
-        self.port = None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                if m := re.match(r"\[launch\] (prefill|decode) (\d): pid (\d+)", line):
-                    self.pids[f"{m[1]}-{m[2]}"] = int(m[3])
-                if m := re.search(r"listening on socket 127\.0\.0\.1:(\d+), OpenAI", line):
-                    self.port = int(m[1])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(400) or self.port is None:
-            self.stop()
-            raise RuntimeError("the front did not start:\n" + "".join(self.lines[-40:]))
-        self.url = f"http://127.0.0.1:{self.http_port}"
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="k", max_retries=0)
-
-    def metrics(self) -> dict[str, float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = urllib.request.urlopen(self.url + "/metrics").read().decode()
-        return {s.name + (json.dumps({k: v for k, v in s.labels.items() if k == "engine"})
-                          if s.labels else ""): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-    def engine_value(self, key: str, engine: str) -> float:
-        return self.metrics().get(f'jaxserve_engine_{key}{{"engine": "{engine}"}}', -1.0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +106,10 @@ def test_greedy_tokens_equal_the_colocated_engine(launched, expected):
 def test_engines_split_over_devices_of_their_own(tiny_llama_dir, expected, colocated):
     """`--devices-per-engine 2` gives each engine two devices of its own and
     `--tensor-parallel-size 2` splits its kv heads over them: greedy tokens, streamed and not,
-    equal the colocated single-device engine's, and a handover carries the model's heads."""
+    equal the colocated single-device engine's, and a handover carries the model's heads.
+    Under --api-key too: the clients bring the key, the front proves the engines' secret."""
     run = Launched(tiny_llama_dir, engines=1, launch=("--devices-per-engine", "2"),
-                   serve=("--tensor-parallel-size", "2"))
+                   serve=("--tensor-parallel-size", "2", "--api-key", "k", "--public-metrics"))
     try:
         assert sum("tensor parallel: mesh {'model': 2} over ['cpu:0', 'cpu:1']" in line
                    for line in run.lines) == 2  # each engine on devices of its own
@@ -193,7 +120,7 @@ def test_engines_split_over_devices_of_their_own(tiny_llama_dir, expected, coloc
         assert m["jaxserve_handovers_total"] == 2 * len(PROMPTS)
         assert m["jaxserve_handover_last_bytes"] == bytes_per_block(
             colocated.model_config, 8, colocated.runner.kv_dtype)  # [300, 301, 302]: 1 block
-        _all_blocks_back(run, ["prefill-0", "decode-0"])
+        run.all_blocks_back(["prefill-0", "decode-0"])
     finally:
         run.stop()
     assert run.proc.returncode == 0
@@ -276,7 +203,7 @@ def test_aborts_refusals_and_disconnects_free_every_block(launched):
         extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()  # the client leaves mid-stream
-    _all_blocks_back(launched, ["prefill-0", "prefill-1", "decode-0", "decode-1"])
+    launched.all_blocks_back(["prefill-0", "prefill-1", "decode-0", "decode-1"])
 
 
 def test_a_prefill_engine_killed_while_holding_a_handover_fails_only_that_request(launched):
@@ -330,4 +257,4 @@ def test_a_decode_engine_killed_during_a_stream_fails_only_that_stream(launched,
     alive = [e for e in ("prefill-0", "prefill-1", "decode-0", "decode-1")
              if m[f'jaxserve_engine_up{{"engine": "{e}"}}'] == 1]
     assert len(alive) == 2
-    _all_blocks_back(launched, alive)
+    launched.all_blocks_back(alive)
