@@ -5,7 +5,9 @@ openai_http.py and the tool calls of tools.py.
 `system` and `messages` become chat messages in the form tools.check_messages returns: an
 assistant's `tool_use` blocks its tool calls, a user's `tool_result` blocks tool messages. A
 last assistant message is a prefill the answer goes on from. `tool_choice` `any` and `tool`
-force the calls with the tools' grammar, as chat's `required` and a named function do. Errors
+force the calls with the tools' grammar, as chat's `required` and a named function do. Under
+a reasoning parser (serving/reasoning.py) the reasoning comes first as a `thinking` block, and
+an assistant's `thinking` blocks go back to the template as its reasoning. Errors
 on these routes come in Anthropic's shape, {"type": "error", "error": {"type", "message"}},
 the message naming the field.
 """
@@ -19,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.serving import tools
+from jaxserve.serving import reasoning, tools
 from jaxserve.serving.core import LimitError
 from jaxserve.serving.http_common import ApiError, typed_event
 
@@ -27,7 +29,7 @@ PREFIX = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error"}
-_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking")}
 _CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
 
@@ -77,13 +79,14 @@ class Messages:
         params, names = self._params(body)
         if choice is not None and choice.is_forced:
             await self.api._force_calls(params, choice)
+        await self.api._after_reasoning(params)
         ids = await self._prompt_ids(prompt, params)
         engine_id, out_stream = await self.api._submit(prompt, ids, params, "msg", names,
                                                        model=body["model"])
         builder = MessageBuilder({
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
             "model": body["model"], "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(ids), "output_tokens": 0}}, choice)
+            "usage": {"input_tokens": len(ids), "output_tokens": 0}}, choice, self.api.reasoning)
         if stream:
             def chunk(out):
                 comp = out.outputs[0]
@@ -114,8 +117,9 @@ class Messages:
         messages = conversation(body)
         last = messages[-1]
         prefill = last["role"] == "assistant" and "tool_calls" not in last and last["content"]
-        return await self.api._chat_prompt({"continue_final_message": bool(prefill)},
-                                           messages, choice), choice
+        options = {"continue_final_message": bool(prefill),
+                   "chat_template_kwargs": _template_kwargs(body)}
+        return await self.api._chat_prompt(options, messages, choice, "messages"), choice
 
     def _params(self, body: dict) -> tuple[SamplingParams, dict[str, str]]:
         stop = body.get("stop_sequences")
@@ -135,6 +139,24 @@ class Messages:
 
 
 # ------------------------------------------------------------------------ the request
+
+def _template_kwargs(body: dict) -> dict:
+    """vLLM's `chat_template_kwargs`, and Anthropic's `thinking` ({"type": "enabled" |
+    "disabled"}) as the template's enable_thinking (budget_tokens is not enforced)."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object",
+                       param="chat_template_kwargs")
+    thinking = body.get("thinking")
+    if thinking is None:
+        return kwargs
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled"):
+        raise ApiError(400, 'thinking must be {"type": "enabled" | "disabled"}',
+                       param="thinking")
+    return {"enable_thinking": kind == "enabled"} | kwargs
+
 
 def tool_choice(body: dict) -> tools.ToolChoice | None:
     """`tools` (custom tools: name, description, input_schema) and `tool_choice`; None
@@ -203,6 +225,7 @@ def _message(m: Any, where: str) -> list[dict]:
     out: list[dict] = []
     text: list[str] = []
     calls: list[dict] = []
+    thought: list[str] = []
     for j, b in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
@@ -211,6 +234,10 @@ def _message(m: Any, where: str) -> list[dict]:
                                 f"{role} message", param="messages")
         if kind == "text":
             text.append(_text([b], at, "messages"))
+        elif kind == "thinking":
+            if not isinstance(b.get("thinking"), str):
+                raise ApiError(400, f"{at}.thinking must be a string", param="messages")
+            thought.append(b["thinking"])
         elif kind == "tool_use":
             calls.append(_call(b, at))
         else:
@@ -220,7 +247,8 @@ def _message(m: Any, where: str) -> list[dict]:
             out.append(_result(b, at))
     if role == "assistant":
         return [{"role": "assistant", "content": "\n".join(text)}
-                | ({"tool_calls": calls} if calls else {})]
+                | ({"tool_calls": calls} if calls else {})
+                | ({"reasoning_content": "\n".join(thought)} if thought else {})]
     return out + ([{"role": "user", "content": "\n".join(text)}] if text or not out else [])
 
 
@@ -260,10 +288,12 @@ class MessageBuilder:
     """A message's content blocks and stream events, fed the model's text as it arrives; the
     plain answer is the streamed one's last state."""
 
-    def __init__(self, message: dict, choice: tools.ToolChoice | None):
+    def __init__(self, message: dict, choice: tools.ToolChoice | None,
+                 parser: reasoning.ReasoningParser | None = None):
         self.message = message  # the skeleton: id, model, usage.input_tokens
         self._parser = tools.call_parser(choice)
-        self._open = False  # whether the last block is text still being written
+        self._splitter = reasoning.ReasoningSplitter(parser) if parser is not None else None
+        self._open: str | None = None  # the kind of the last block while it is written
 
     @property
     def content(self) -> list[dict]:
@@ -274,27 +304,37 @@ class MessageBuilder:
         return [{"type": "message_start", "message": snapshot}, {"type": "ping"}]
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
-        out = []
+        thought, text = (self._splitter.feed(text, final) if self._splitter is not None
+                         else ("", text))
+        out = self._text("thinking", thought) if thought else []
         for kind, value in tools.text_events(self._parser, text, final):
-            out += self._text(value) if kind == "text" else self._call(value)
+            out += self._text("text", value) if kind == "text" else self._call(value)
         return out
 
-    def _text(self, text: str) -> list[dict]:
-        events = []
-        if not self._open:
-            self._open = True
-            self.content.append({"type": "text", "text": ""})
+    def _text(self, kind: str, text: str) -> list[dict]:
+        """`text` added to the open block of `kind` (thinking or text), opened first."""
+        events = self._close() if self._open != kind else []
+        if self._open is None:
+            self._open = kind
+            block = ({"type": "text", "text": ""} if kind == "text" else
+                     {"type": "thinking", "thinking": "", "signature": ""})
+            self.content.append(block)
             events.append({"type": "content_block_start", "index": len(self.content) - 1,
-                           "content_block": {"type": "text", "text": ""}})
-        self.content[-1]["text"] += text
+                           "content_block": dict(block)})
+        self.content[-1][kind] += text
         return events + [{"type": "content_block_delta", "index": len(self.content) - 1,
-                          "delta": {"type": "text_delta", "text": text}}]
+                          "delta": {"type": f"{kind}_delta", kind: text}}]
 
     def _close(self) -> list[dict]:
-        if not self._open:
+        """The open block's end; a thinking block's signature is empty (nothing signs it)."""
+        if self._open is None:
             return []
-        self._open = False
-        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+        i, kind = len(self.content) - 1, self._open
+        self._open = None
+        signed = ([{"type": "content_block_delta", "index": i,
+                    "delta": {"type": "signature_delta", "signature": ""}}]
+                  if kind == "thinking" else [])
+        return signed + [{"type": "content_block_stop", "index": i}]
 
     def _call(self, call: dict) -> list[dict]:
         events = self._close()

@@ -382,3 +382,33 @@ def test_responses_put_a_reasoning_item_before_the_message(client, server):
     assert shaped.output[0].content[0].text == THOUGHT
     jsonschema.validate(json.loads(shaped.output_text), CITY)
     blocks_back(server)
+
+
+@pytest.mark.slow
+def test_messages_put_a_thinking_block_before_the_text(server):
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=server.http_url, api_key="none", max_retries=0)
+    kw = dict(model="jaxserve", max_tokens=30, messages=QUESTION, extra_body={"temperature": 0})
+    m = claude.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert (m.content[0].thinking, m.content[1].text) == (THOUGHT, ANSWER)
+    assert m.stop_reason == "end_turn"
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == THOUGHT
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == ANSWER
+    kinds = [d.type for d in deltas]
+    assert kinds.index("signature_delta") < kinds.index("text_delta")
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    # Anthropic's thinking switch reaches the template; a thinking block goes back as input
+    off = claude.messages.create(**kw | {"extra_body": {"temperature": 0,
+                                                        "thinking": {"type": "disabled"}}})
+    assert [(b.type, b.text) for b in off.content] == [("text", ANSWER)]
+    assert off.usage.input_tokens > m.usage.input_tokens
+    again = claude.messages.create(**kw | {"messages": [
+        *QUESTION, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": "And of Italy?"}]})
+    assert again.content[0].type == "thinking"
+    blocks_back(server)
