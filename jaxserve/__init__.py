@@ -16,7 +16,8 @@ Packages, lowest layer first; each imports only from its own layer and the ones 
     __main__, launch   the command line
 
 kernels/ and models/ sit beside this folder in a checkout and install as jaxserve.kernels and
-jaxserve.models. The public names below load lazily, so `import jaxserve.core.scheduler` does
+jaxserve.models; imported by their folder names from a checkout's root, they give those names
+to other distributions (checkout.py). The public names below load lazily, so `import jaxserve.core.scheduler` does
 not import jax.
 """
 

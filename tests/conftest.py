@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import pytest
-
-# The checkout's root is on sys.path for `tests`, but after site-packages: its kernels/ folder
-# (installed as jaxserve.kernels) would otherwise be found as `kernels`, the import name of
-# Hugging Face's kernels distribution, which transformers imports. `python -m pytest` puts the
-# root first; pytest itself, in append mode, last.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT] + [ROOT]
 
 # Four CPU devices for the tensor-parallel tests (set before jax is imported; a single-device
 # engine still runs on the first). A flag given from outside wins.

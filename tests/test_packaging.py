@@ -3,8 +3,6 @@ the CPU kernels' sources shipped; no top-level `kernels` or `models` of this pro
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import os
 import subprocess
 import sys
@@ -40,10 +38,36 @@ def test_outside_the_checkout_only_jaxserve_is_ours(tmp_path):
     assert models == "None"  # Hugging Face's `kernels` may be there: transformers needs it
 
 
-def test_in_the_tests_kernels_is_not_this_checkouts_folder():
-    """tests/conftest.py keeps the checkout's root after site-packages, so an installed
-    `kernels` (Hugging Face's, which newer transformers import) wins over the folder."""
-    spec = importlib.util.find_spec("kernels")
-    if spec is not None and ours(os.path.dirname(spec.origin or "")):
-        with pytest.raises(importlib.metadata.PackageNotFoundError):
-            importlib.metadata.distribution("kernels")  # found last only for want of another
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FROM_THE_ROOT = """if True:
+    import importlib, importlib.metadata, os
+    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1))
+    for name in ("kernels", "models"):
+        try:
+            print(os.path.dirname(importlib.import_module(name).__file__))
+        except ModuleNotFoundError:
+            print(None)
+    try:
+        importlib.metadata.distribution("kernels")
+        print(True)
+    except importlib.metadata.PackageNotFoundError:
+        print(False)
+"""
+
+
+def test_from_the_checkouts_root_its_folders_shadow_no_other_distribution():
+    """`python -c` in the checkout's root puts it first on sys.path: transformers still builds
+    a model (it imports Hugging Face's `kernels` where installed), and `kernels` and `models`
+    by those names are another distribution's modules or none, never this checkout's folders
+    (jaxserve/checkout.py)."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "-c", FROM_THE_ROOT], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    kernels, models, installed = proc.stdout.split("\n")[:3]
+    assert kernels != os.path.join(ROOT, "kernels") and models == "None"
+    assert (kernels != "None") == (installed == "True")
