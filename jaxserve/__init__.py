@@ -17,8 +17,8 @@ Packages, lowest layer first; each imports only from its own layer and the ones 
 
 kernels/ and models/ sit beside this folder in a checkout and install as jaxserve.kernels and
 jaxserve.models; imported by their folder names from a checkout's root, they give those names
-to other distributions (checkout.py). The public names below load lazily, so `import jaxserve.core.scheduler` does
-not import jax.
+to other distributions (checkout.py). The public names below load lazily, so
+`import jaxserve.core.scheduler` does not import jax.
 """
 
 from __future__ import annotations

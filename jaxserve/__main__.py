@@ -1,6 +1,7 @@
-"""Command line: `python -m jaxserve generate "prompt" [--max-tokens N] [--temperature T]`,
-`python -m jaxserve launch --num-processes N -- SCRIPT ARGS` (one engine over N processes), and
-`python -m jaxserve launch --prefill N --decode M -- scripts/serve.py ARGS` (disaggregated)."""
+"""Command line (`jaxserve` or `python -m jaxserve`): `serve [MODEL] [options]` (the socket and
+OpenAI HTTP server; `serve --help` lists its options), `generate "prompt" [--max-tokens N]
+[--temperature T]`, `launch --num-processes N -- serve|SCRIPT ARGS` (one engine over N
+processes) and `launch --prefill N --decode M -- serve|SCRIPT ARGS` (disaggregated)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ from jaxserve.launch import launch_disaggregated
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its options are the server's own (serving/cli.py)
+        return serve(argv[1:])
     ap = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="serve a model over the socket protocol and the OpenAI HTTP "
+                                 "API (jaxserve serve --help lists the options)")
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=None,
@@ -45,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--coordinator-port", type=int, default=None,
                         help="port of process 0's coordination service (default: a free one)")
     launch.add_argument("script", nargs=argparse.REMAINDER,
-                        help="-- then the script and its arguments")
+                        help="-- then `serve` or a script, and its arguments")
     args = ap.parse_args(argv)
     if args.command == "launch":
         script = args.script[1:] if args.script[:1] == ["--"] else args.script
+        if script[:1] == ["serve"]:  # this command's own server, in each process
+            script = ["-m", "jaxserve", *script]
         if (args.prefill is None) != (args.decode is None) or (
                 (args.prefill is None) == (args.num_processes is None)):
             ap.error("launch: give --num-processes, or --prefill and --decode")
@@ -87,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n[{n} tokens in {dt:.2f}s, finish_reason={reason}; compiled {runner.num_compiles} "
           f"programs in {runner.compile_seconds:.1f}s]", file=sys.stderr)
     return 0
+
+
+def serve(argv: list[str]) -> int:
+    """`serve [MODEL] [options]`: MODEL, first and not an option, is --model."""
+    from jaxserve.serving import cli
+
+    if argv[:1] and not argv[0].startswith("-"):
+        argv = ["--model", argv[0], *argv[1:]]
+    return cli.main(argv, prog="jaxserve serve")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ the CPU kernels' sources shipped; no top-level `kernels` or `models` of this pro
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -71,3 +74,49 @@ def test_from_the_checkouts_root_its_folders_shadow_no_other_distribution():
     kernels, models, installed = proc.stdout.split("\n")[:3]
     assert kernels != os.path.join(ROOT, "kernels") and models == "None"
     assert (kernels != "None") == (installed == "True")
+
+
+def test_a_wheel_installed_in_a_fresh_venv_serves(tmp_path, tiny_llama_dir):
+    """The wheel built from the checkout, in a venv of its own (its dependencies lent by this
+    environment's site-packages, after its own): `python -m jaxserve serve MODEL`, run away
+    from the checkout, serves a request and stops on SIGTERM."""
+    from jaxserve.serving.client import Client
+
+    src, wheels = tmp_path / "src", tmp_path / "wheels"  # a copy: the build writes beside it
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".*", "build", "dist", "*.egg-info", "__pycache__", "bench-out"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(wheels), str(src)], check=True,
+                   timeout=600)
+    [wheel] = wheels.glob("jaxserve-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    [site] = venv.glob("lib/python*/site-packages")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(site), str(wheel)], check=True, timeout=300)
+    (site / "lent.pth").write_text("\n".join(p for p in sys.path
+                                             if p.endswith("site-packages")) + "\n")
+    proc = subprocess.Popen(
+        [str(venv / "bin" / "python"), "-m", "jaxserve", "serve", tiny_llama_dir, "--port",
+         "0", "--http-port", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+         "--max-model-len", "128", "--num-kv-blocks", "32", "--token-buckets", "16", "32",
+         "--seq-buckets", "4", "--block-buckets", "8", "--max-held-seqs", "0"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        lines, port = [], None
+        while port is None:
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            port = re.search(r"listening on socket 127\.0\.0\.1:(\d+)", line)
+        with Client(port=int(port.group(1))) as c:
+            assert c.generate(prompt_token_ids=[5, 6, 7], max_tokens=3,
+                              ignore_eos=True)["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import jaxserve.kernels as k; "
+                            "print(k.__file__)"], cwd=tmp_path, capture_output=True, text=True)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr

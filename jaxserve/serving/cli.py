@@ -27,8 +27,8 @@ from jaxserve.serving.server import Server, ServerConfig
 logger = logging.getLogger("jaxserve.server")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None, prog: str = "serve.py") -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_options(ap.add_argument_group("engine"), EngineConfig)
     server = ap.add_argument_group("server")
     add_options(server, ServerConfig)
@@ -80,8 +80,9 @@ async def serve(engines, server_config: ServerConfig, step_hooks: tuple = (),
     logger.info("stopped")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
+    """`prog`: the command's name in its help and errors."""
+    args = parse_args(argv, prog)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s",
                         stream=sys.stderr)
     engine_config, server_config = split_config(args)

@@ -24,8 +24,9 @@ TINY = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-le
         "--block-buckets", "8", "--max-held-seqs", "0"]
 
 
-def test_help_lists_engine_and_server_options():
-    out = subprocess.run([sys.executable, "scripts/serve.py", "--help"], capture_output=True,
+@pytest.mark.parametrize("command", [["scripts/serve.py"], ["-m", "jaxserve", "serve"]])
+def test_help_lists_engine_and_server_options(command):
+    out = subprocess.run([sys.executable, *command, "--help"], capture_output=True,
                          text=True, timeout=120).stdout
     for opt in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--dtype",
                 "--scheduling-policy", "--preemption-mode", "--attention-backend", "--port",
@@ -130,13 +131,14 @@ def test_sigterm_with_a_stuck_stream_exits_0_within_the_shutdown_timeout(tiny_ll
 
 
 def test_a_launched_server_gets_the_key_through_the_environment_not_argv(tiny_llama_dir):
-    """`launch -- scripts/serve.py --api-key KEY`: the server's command line, which any local
-    user reads with `ps`, does not hold the key; both fronts still require it."""
+    """`launch -- serve MODEL --api-key KEY` (the installed command's own server, its model
+    given first): the server's command line, which any local user reads with `ps`, does not
+    hold the key; both fronts still require it."""
     key, http_port = "s3cret-7d1f", free_port()
     env = {k: v for k, v in os.environ.items() if k != ENV}
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve", "launch", "--num-processes", "1", "--",
-         "scripts/serve.py", "--model", tiny_llama_dir, "--api-key", key, "--port", "0",
+         "serve", tiny_llama_dir, "--api-key", key, "--port", "0",
          "--http-port", str(http_port), *TINY], stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines, pid, port = [], None, None
@@ -151,7 +153,8 @@ def test_a_launched_server_gets_the_key_through_the_environment_not_argv(tiny_ll
         assert pid and port, "".join(lines)
         with open(f"/proc/{pid.group(1)}/cmdline", "rb") as f:
             argv = f.read().decode().split("\0")
-        assert "scripts/serve.py" in argv and "--api-key" not in argv, argv
+        assert argv[1:5] == ["-m", "jaxserve", "serve", tiny_llama_dir], argv
+        assert "--api-key" not in argv, argv
         assert not any(key in a for a in argv), argv
         port = int(port.group(1))
         with pytest.raises(ServerError, match="invalid api_key"):
