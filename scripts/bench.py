@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxserve.bench.cli import main  # noqa: E402
+from jaxserve.bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from jaxserve.serving.protocol import ProtocolError, encode, read_frame  # noqa: E402
+from jaxserve.serving.protocol import ProtocolError, encode, read_frame
 
 PROMPTS = ("Tell me about the sea.", "Write a haiku about rain.", "What is 2 + 2?",
            "List three colours.", "Explain gravity to a child.", "def fib(n):")

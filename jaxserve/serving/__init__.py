@@ -1,2 +1,4 @@
-"""Serving: one engine thread behind the msgpack socket protocol and the OpenAI-compatible HTTP
-front, with clients, Prometheus metrics and the `scripts/serve.py` command line."""
+"""Serving: one serving core (core.py) behind the msgpack socket protocol (socket_front.py) and
+the HTTP front (openai_http.py: OpenAI's API; anthropic.py: Anthropic's Messages API), with
+clients, Prometheus metrics, disaggregated prefill/decode (disagg.py) and the server's command
+line (cli.py: `jaxserve serve`, `scripts/serve.py`)."""
