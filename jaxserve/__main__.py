@@ -1,5 +1,6 @@
 """Command line (`jaxserve` or `python -m jaxserve`): `serve [MODEL] [options]` (the socket and
-OpenAI HTTP server; `serve --help` lists its options), `generate "prompt" [--max-tokens N]
+OpenAI HTTP server; `serve --help` lists its options), `bench [options]` (scripts/bench.py's
+benchmarks), `generate "prompt" [--max-tokens N]
 [--temperature T]`, `launch --num-processes N -- serve|SCRIPT ARGS` (one engine over N
 processes) and `launch --prefill N --decode M -- serve|SCRIPT ARGS` (disaggregated)."""
 
@@ -18,10 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # its options are the server's own (serving/cli.py)
         return serve(argv[1:])
+    if argv[:1] == ["bench"]:  # and the benchmark's own (bench/cli.py)
+        from jaxserve.bench import cli
+
+        return cli.main(argv[1:], prog="jaxserve bench")
     ap = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="serve a model over the socket protocol and the OpenAI HTTP "
                                  "API (jaxserve serve --help lists the options)")
+    sub.add_parser("bench", help="benchmark the engine against its baselines (jaxserve bench "
+                                 "--help lists the options)")
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=None,

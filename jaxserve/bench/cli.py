@@ -44,8 +44,8 @@ from jaxserve.models.loader import load_model
 _ENGINE_SKIP = ("seed", "enable_step_trace")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0],
+def parse_args(argv=None, prog: str = "bench.py") -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
     add_options(ap.add_argument_group("workload"), WorkloadConfig)
@@ -99,8 +99,9 @@ def _plot(fn, *args) -> None:
         print(f"plots skipped: {e}", file=sys.stderr)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "bench.py") -> int:
+    """`prog`: the command's name in its help and errors."""
+    args = parse_args(argv, prog)
     os.makedirs(args.out_dir, exist_ok=True)
     progress = not args.no_progress
     if args.profiler_port:

@@ -24,6 +24,15 @@ TINY = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-le
         "--block-buckets", "8", "--max-held-seqs", "0"]
 
 
+def test_the_command_lists_its_subcommands_and_bench_takes_its_options():
+    out = subprocess.run([sys.executable, "-m", "jaxserve", "--help"], capture_output=True,
+                         text=True, timeout=120).stdout
+    assert "{serve,bench,generate,launch}" in out
+    bench = subprocess.run([sys.executable, "-m", "jaxserve", "bench", "--help"],
+                           capture_output=True, text=True, timeout=120).stdout
+    assert bench.startswith("usage: jaxserve bench") and "--out-dir" in bench
+
+
 @pytest.mark.parametrize("command", [["scripts/serve.py"], ["-m", "jaxserve", "serve"]])
 def test_help_lists_engine_and_server_options(command):
     out = subprocess.run([sys.executable, *command, "--help"], capture_output=True,
