@@ -329,7 +329,8 @@ def test_settle_heap_takes_what_lives_out_of_the_collectors_walk():
         kept = Node()
         kept.self = kept  # a cycle alive at start-up
         frozen = settle_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # (a frozen object another thread drops leaves the count, so it may only shrink)
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(o is kept for o in gc.get_objects())  # out of every generation
         assert gc.get_threshold() == GC_THRESHOLDS != thresholds
         later = Node()
