@@ -213,8 +213,9 @@ def test_an_adapter_that_does_not_load_stops_the_server_at_start(setup):
     """serve.py with --lora-modules naming a bad adapter exits naming it, serving nothing."""
     srv, _, adapters, _ = setup
     bad = adapters["a1"].rsplit("/", 1)[0] + "/shapes"
-    argv = ["--model", srv.server.engine.config.model, "--port", "0", "--enable-lora",
-            "--max-lora-rank", "16", "--max-model-len", "128", "--num-kv-blocks", "64",
+    argv = ["--model", srv.server.engine.config.model, "--port", "0", "--no-warmup",
+            "--enable-lora", "--max-lora-rank", "16", "--max-model-len", "128",
+            "--num-kv-blocks", "64",
             "--lora-modules", f"good={adapters['a1']}", f"bad={bad}"]
     with pytest.raises(SystemExit) as e:
         serve_main(argv)
