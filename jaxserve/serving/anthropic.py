@@ -292,7 +292,7 @@ class MessageBuilder:
                  parser: reasoning.ReasoningParser | None = None):
         self.message = message  # the skeleton: id, model, usage.input_tokens
         self._parser = tools.call_parser(choice)
-        self._splitter = reasoning.ReasoningSplitter(parser) if parser is not None else None
+        self._splitter = reasoning.splitter(parser)
         self._open: str | None = None  # the kind of the last block while it is written
 
     @property
@@ -304,11 +304,10 @@ class MessageBuilder:
         return [{"type": "message_start", "message": snapshot}, {"type": "ping"}]
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
-        thought, text = (self._splitter.feed(text, final) if self._splitter is not None
-                         else ("", text))
-        out = self._text("thinking", thought) if thought else []
-        for kind, value in tools.text_events(self._parser, text, final):
-            out += self._text("text", value) if kind == "text" else self._call(value)
+        out = []
+        for kind, value in reasoning.output_events(self._splitter, self._parser, text, final):
+            out += (self._call(value) if kind == "call" else
+                    self._text("thinking" if kind == "reasoning" else kind, value))
         return out
 
     def _text(self, kind: str, text: str) -> list[dict]:

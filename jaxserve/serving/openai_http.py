@@ -430,8 +430,7 @@ class _Api:
                                                                 "content": ""},
                                          "finish_reason": None} for i in range(params.n)]}
             parsers = {i: tools.CallParser(choice) for i in range(params.n)} if calling else {}
-            splitters = ({i: reasoning.ReasoningSplitter(self.reasoning)
-                          for i in range(params.n)} if self.reasoning else {})
+            splitters = {i: reasoning.splitter(self.reasoning) for i in range(params.n)}
             unscored = body.get("prompt_logprobs") is not None
 
             def chunk(out):
@@ -441,8 +440,7 @@ class _Api:
                     lp = self._chat_logprobs(comp, new_only=True)
                     parser, splitter = parsers.get(comp.index), splitters.get(comp.index)
                     final = comp.finish_reason is not None
-                    thought, text = (splitter.feed(comp.new_text, final) if splitter is not None
-                                     else ("", comp.new_text))
+                    thought, text = reasoning.parts(splitter, comp.new_text, final)
                     deltas = [{"reasoning_content": thought}] if thought else []
                     deltas += (_call_deltas(parser, text, final) if parser is not None else
                                [{"content": text}] if text else [])

@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from jaxserve.engine.structured_output import GrammarCompiler
-from jaxserve.serving.tools import partial_suffix
+from jaxserve.serving.tools import CallParser, partial_suffix, text_events
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -78,6 +78,25 @@ class ReasoningSplitter:
     def finish(self) -> tuple[str, str]:
         """What is still held, at the output's end."""
         return self.feed("", final=True)
+
+
+def splitter(parser: ReasoningParser | str | None) -> ReasoningSplitter | None:
+    """The splitter of one output; None without a reasoning parser."""
+    return ReasoningSplitter(parser) if parser is not None else None
+
+
+def parts(splitter: ReasoningSplitter | None, text: str, final: bool) -> tuple[str, str]:
+    """The (reasoning, content) deltas `text` adds to an output (`final`: its last); all of
+    it content when there is no splitter."""
+    return splitter.feed(text, final) if splitter is not None else ("", text)
+
+
+def output_events(splitter: ReasoningSplitter | None, calls: CallParser | None, text: str,
+                  final: bool) -> list[tuple[str, Any]]:
+    """What `text` adds to an output, in order: ("reasoning", text), then the answer's events
+    (tools.text_events: ("text", text), ("call", call))."""
+    thought, content = parts(splitter, text, final)
+    return ([("reasoning", thought)] if thought else []) + text_events(calls, content, final)
 
 
 def split(parser: ReasoningParser | str, text: str) -> tuple[str | None, str | None]:

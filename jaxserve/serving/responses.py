@@ -162,7 +162,7 @@ class ResponseBuilder:
                  parser: reasoning.ReasoningParser | None = None):
         self.response = response  # the skeleton: id, model, the request's settings
         self._parser = tools.call_parser(choice)
-        self._splitter = reasoning.ReasoningSplitter(parser) if parser is not None else None
+        self._splitter = reasoning.splitter(parser)
         self._seq = 0
         self._open: dict | None = None  # the reasoning or message item being written
         self.output: list[dict] = []
@@ -177,11 +177,10 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=snapshot)]
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
-        thought, text = (self._splitter.feed(text, final) if self._splitter is not None
-                         else ("", text))
-        out = self._text("reasoning", thought) if thought else []
-        for kind, value in tools.text_events(self._parser, text, final):
-            out += self._text("message", value) if kind == "text" else self._call(value)
+        out = []
+        for kind, value in reasoning.output_events(self._splitter, self._parser, text, final):
+            out += (self._call(value) if kind == "call" else
+                    self._text("message" if kind == "text" else kind, value))
         return out
 
     def _text(self, kind: str, text: str) -> list[dict]:
