@@ -96,8 +96,7 @@ class HandoverFrames:
             first = _int(msg, "first_token")
             first_lp = msg.get("first_logprob")
             first_lp = logprob_from_wire(first_lp) if isinstance(first_lp, dict) else None
-            lora = (None if req.lora_path is None else
-                    self.core.loras.named(req.lora_name, req.lora_int_id, req.lora_path))
+            lora = self.core.loras.from_frame(req)
         except ProtocolError as e:
             conn.error(e.code, e.message, e.request_id)
             return

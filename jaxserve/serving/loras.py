@@ -9,7 +9,7 @@ adapter that is being removed.
 
 Under prefill/decode disaggregation the front keeps the names (it reads each adapter once to
 check it) and every frame it sends an engine names the adapter in full: name, id and path
-(`named`); a prefill or decode engine reads it the first time a frame names it, keeping up to
+(`from_frame`); a prefill or decode engine reads it the first time a frame names it, keeping up to
 max_cpu_loras on the host like any engine.
 """
 
@@ -73,7 +73,7 @@ class ServerLoRAs:
                  allowed_dir: str | None = None, role_engine: bool = False):
         """`replicas`: a ReplicaSet or a DisaggSet (add_lora, lora_in_use, remove_lora);
         `enabled`: the engines have enable_lora; `role_engine`: a prefill or decode engine,
-        whose front names each request's adapter in full (`named`)."""
+        whose front names each request's adapter in full (`from_frame`)."""
         self.replicas = replicas
         self.base_model_name = base_model_name
         self.enabled = enabled
@@ -145,9 +145,12 @@ class ServerLoRAs:
         await self.replicas.remove_lora(lora.lora_int_id)
         self.parents.pop(name, None)
 
-    def named(self, name: str, lora_int_id, path) -> LoRARequest:
-        """A prefill or decode engine's adapter as its front's frame names it (name, id,
-        path); LoRAError naming the field where this engine takes no such frame."""
+    def from_frame(self, req) -> LoRARequest | None:
+        """The adapter a generate or accept frame (protocol.GenerateRequest) names in full
+        (name, id, path), as a front names it to its prefill and decode engines; None for a
+        frame without a path. LoRAError naming the field where this engine takes none."""
+        if req.lora_path is None:
+            return None
         if not self.role_engine:
             raise LoRAError("lora_path: only a prefill or decode engine takes an adapter's "
                             "path in a frame (from its front); name a loaded adapter",
@@ -155,9 +158,9 @@ class ServerLoRAs:
         if not self.enabled:
             raise LoRAError("LoRA adapters are off: start the engine with --enable-lora",
                             "lora_name")
-        self._check_allowed(path)
+        self._check_allowed(req.lora_path)
         try:
-            return LoRARequest(name, lora_int_id, path)
+            return LoRARequest(req.lora_name, req.lora_int_id, req.lora_path)
         except ValueError as e:
             raise LoRAError(str(e), str(e).split()[0]) from None
 

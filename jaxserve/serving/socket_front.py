@@ -285,8 +285,7 @@ class SocketFront:
             if conn.closed:
                 conn.active.pop(req.id, None)
                 return
-            lora = (None if req.lora_path is None else
-                    self.core.loras.named(req.lora_name, req.lora_int_id, req.lora_path))
+            lora = self.core.loras.from_frame(req)
             stream = await self.core.submit(engine_id, req.prompt, ids, req.params, req.priority,
                                             req.cache_salt, model=req.lora_name, lora=lora)
         except LimitError as e:
