@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 from jaxserve import EngineConfig, LLMEngine, SamplingParams
 from jaxserve.config import _pow2_range
+
+# Server options for the tiny Llama that compile little: 4 sequences of up to 128 tokens.
+TINY_SERVE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128",
+              "--num-kv-blocks", "32", "--token-buckets", "16", "32", "--seq-buckets", "4",
+              "--block-buckets", "8", "--max-held-seqs", "0"]
+
+
+def wait_for_line(proc, pattern: str, timeout_s: float = 240) -> tuple[re.Match, list[str]]:
+    """Read the process's stderr (text) up to the first line matching `pattern`: the match and
+    every line read. Fails with those lines if the stream ends or `timeout_s` passes first."""
+    lines, deadline = [], time.time() + timeout_s
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if m := re.search(pattern, line):
+            return m, lines
+    raise AssertionError(f"no line matched {pattern!r}:\n" + "".join(lines))
 
 
 def buckets_from_8(args: dict) -> dict:

@@ -4,7 +4,6 @@ the CPU kernels' sources shipped; no top-level `kernels` or `models` of this pro
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 
 import jaxserve.kernels
 import jaxserve.models
+from tests.helpers import TINY_SERVE, wait_for_line
 
 CLAIMS = """if True:
     import importlib.util, os
@@ -98,18 +98,11 @@ def test_a_wheel_installed_in_a_fresh_venv_serves(tmp_path, tiny_llama_dir):
                                              if p.endswith("site-packages")) + "\n")
     proc = subprocess.Popen(
         [str(venv / "bin" / "python"), "-m", "jaxserve", "serve", tiny_llama_dir, "--port",
-         "0", "--http-port", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-         "--max-model-len", "128", "--num-kv-blocks", "32", "--token-buckets", "16", "32",
-         "--seq-buckets", "4", "--block-buckets", "8", "--max-held-seqs", "0"],
+         "0", "--http-port", "0", *TINY_SERVE],
         cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
-        lines, port = [], None
-        while port is None:
-            line = proc.stderr.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-            port = re.search(r"listening on socket 127\.0\.0\.1:(\d+)", line)
-        with Client(port=int(port.group(1))) as c:
+        port, _ = wait_for_line(proc, r"listening on socket 127\.0\.0\.1:(\d+)")
+        with Client(port=int(port[1])) as c:
             assert c.generate(prompt_token_ids=[5, 6, 7], max_tokens=3,
                               ignore_eos=True)["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)

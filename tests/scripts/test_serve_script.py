@@ -18,10 +18,9 @@ from jaxserve.serving import engine_secret
 from jaxserve.serving.api_key import ENV
 from jaxserve.serving.cli import parse_args, split_config
 from jaxserve.serving.client import Client, ServerError
+from tests.helpers import TINY_SERVE, wait_for_line
 
-TINY = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128",
-        "--num-kv-blocks", "32", "--token-buckets", "16", "32", "--seq-buckets", "4",
-        "--block-buckets", "8", "--max-held-seqs", "0"]
+LISTENING = r"listening on socket 127\.0\.0\.1:(\d+)"
 
 
 def test_the_command_lists_its_subcommands_and_bench_takes_its_options():
@@ -53,24 +52,11 @@ def test_serve_warms_up_listens_and_stops_cleanly(tiny_llama_dir):
     one too short to be read, means nothing to a plain server."""
     proc = subprocess.Popen(
         [sys.executable, "scripts/serve.py", "--model", tiny_llama_dir, "--port", "0",
-         "--http-port", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-         "--max-model-len", "128", "--num-kv-blocks", "32", "--token-buckets", "16", "32",
-         "--seq-buckets", "4", "--block-buckets", "8", "--max-held-seqs", "0",
-         "--api-key", "k"],
+         "--http-port", "0", *TINY_SERVE, "--api-key", "k"],
         stderr=subprocess.PIPE, text=True, env=dict(os.environ, **{engine_secret.ENV: "x"}))
     try:
-        lines = []
-        deadline = time.time() + 240
-        port = None
-        while time.time() < deadline and port is None:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"listening on socket 127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        assert port, "".join(lines)
+        m, lines = wait_for_line(proc, LISTENING)
+        port = int(m[1])
         assert any("warmup compiled 2 programs" in ln for ln in lines), "".join(lines)
         # the memory plan, printed at start: 32 blocks of 16 tokens hold 4 sequences of 128
         assert any("memory plan per device" in ln and "= 32 blocks of 16 tokens, 4 sequences "
@@ -108,17 +94,9 @@ def test_sigterm_with_a_stuck_stream_exits_0_within_the_shutdown_timeout(tiny_ll
          "--write-stall-timeout-s", "600"],
         stderr=subprocess.PIPE, text=True)
     try:
-        http_port, lines = None, []
-        deadline = time.time() + 240
-        while time.time() < deadline and http_port is None:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "listening on" in line:
-                assert f"http://127.0.0.1:{free_port}/v1" in line, line
-                http_port = free_port
-        assert http_port, "".join(lines)
+        m, _ = wait_for_line(proc, "listening on")
+        assert f"http://127.0.0.1:{free_port}/v1" in m.string, m.string
+        http_port = free_port
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", http_port))
@@ -148,19 +126,13 @@ def test_a_launched_server_gets_the_key_through_the_environment_not_argv(tiny_ll
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve", "launch", "--num-processes", "1", "--",
          "serve", tiny_llama_dir, "--api-key", key, "--port", "0",
-         "--http-port", str(http_port), *TINY], stderr=subprocess.PIPE, text=True, env=env)
+         "--http-port", str(http_port), *TINY_SERVE], stderr=subprocess.PIPE, text=True, env=env)
     try:
-        lines, pid, port = [], None, None
-        deadline = time.time() + 240
-        while time.time() < deadline and port is None:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            pid = pid or re.search(r"\[launch\] process 0 of 1: pid (\d+)", line)
-            port = re.search(r"listening on socket 127\.0\.0\.1:(\d+)", line)
-        assert pid and port, "".join(lines)
-        with open(f"/proc/{pid.group(1)}/cmdline", "rb") as f:
+        port, lines = wait_for_line(proc, LISTENING)
+        started = re.compile(r"\[launch\] process 0 of 1: pid (\d+)")
+        pids = [m[1] for m in map(started.search, lines) if m]
+        assert pids, "".join(lines)
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as f:
             argv = f.read().decode().split("\0")
         assert argv[1:5] == ["-m", "jaxserve", "serve", tiny_llama_dir], argv
         assert "--api-key" not in argv, argv

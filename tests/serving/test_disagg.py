@@ -176,15 +176,7 @@ def test_adapters_run_on_both_sides_of_the_handover(launched, adapters):
     assert urllib.request.urlopen(unload).status == 200
     with Client(port=launched.port) as c, pytest.raises(ServerError, match="lora_name"):
         c.generate(prompt_token_ids=PROMPTS[3], lora_name="a2", max_tokens=2)
-    _all_blocks_back(launched, ["prefill-0", "prefill-1", "decode-0", "decode-1"])
-
-
-def _all_blocks_back(launched, engines: list[str]) -> None:
-    deadline = time.time() + 30
-    while any(launched.engine_value(k, e) != 0 for e in engines
-              for k in ("kv_blocks_used", "handover_held", "num_running")):
-        assert time.time() < deadline, launched.metrics()
-        time.sleep(0.05)
+    launched.all_blocks_back(["prefill-0", "prefill-1", "decode-0", "decode-1"])
 
 
 def test_aborts_refusals_and_disconnects_free_every_block(launched):
