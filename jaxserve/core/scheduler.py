@@ -17,8 +17,9 @@ running one, so held prompts never cost the running ones their progress.
 
 A prompt larger than what is left of the token budget is cut into a chunk that shares the step
 with the decodes; the rest follows in later steps. When a running sequence cannot get a block for
-its next token, the lowest-priority, latest-arriving running sequence is preempted (its blocks are
-freed, or copied to the host pool in swap mode) and resumes later exactly where it was.
+its next token, the policy's victim (the lowest-priority, latest-arriving running sequence) is
+preempted (its blocks are freed, or copied to the host pool in swap mode) and resumes later
+exactly where it was.
 
 The policy (core/policies.py, named by `policy`) orders every queue: who decodes and is admitted
 first, who is preempted, whether a waiting request may preempt a running one it outranks, and
@@ -582,6 +583,8 @@ class Scheduler:
     def _preempt_outranked(self, now: float, budget: int, out: SchedulerOutput) -> None:
         """Preempt running requests that a waiting one outranks (the policy says who does),
         when seqs or blocks are full."""
+        if not self.running or not (self.waiting or self.swapped):
+            return
         bm, policy = self.block_manager, self.policy
         free, num_running = bm.num_free_blocks, len(self.running)
         for cand in policy.admission_order(self.waiting, self.swapped, now):
