@@ -15,14 +15,17 @@ import types
 import typing
 from typing import Any
 
-from jaxserve.core.scheduler import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from jaxserve.core.policies import POLICIES, policy_class
+from jaxserve.core.scheduler import PreemptionMode, SchedulerConfig
 from jaxserve.kernels.attention.base import AttentionBackend
 
 
-def option(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:
+def option(default: Any, help: str, aliases: tuple[str, ...] = (), choices=None) -> Any:
     """A dataclass field with its command-line help (and further flag names; a bool's
-    `--x` alias brings `--no-x` with it)."""
-    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases})
+    `--x` alias brings `--no-x` with it; `choices`: the names a string may take, read when
+    the options are made, so a table registered into later is seen)."""
+    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases,
+                                                        "choices": choices})
 
 
 def _pow2_range(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
@@ -185,9 +188,10 @@ class EngineConfig:
     seed: int = option(0, "engine seed for requests that bring none")
     enable_step_trace: bool = option(
         False, "record every step's requests, prefill/decode tokens and duration")
-    scheduling_policy: SchedulingPolicy = option(
-        SchedulingPolicy.FCFS, "fcfs (arrival order), priority (smaller first, optional "
-                               "aging) or static (a baseline: batches run to completion)")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs (arrival order), priority (smaller first, optional aging), static (a "
+                "baseline: batches run to completion) or another policy registered in "
+                "jaxserve.core.policies.POLICIES", choices=POLICIES)
     priority_aging_s: float | None = option(
         None, "with priority: every this many seconds since arrival is worth one level")
     preemption_mode: PreemptionMode = option(
@@ -258,7 +262,6 @@ class EngineConfig:
             self._apply_speculative_config(self.speculative_config)
         for name, kind in (("attention_backend", AttentionBackend), ("layer_loop", LayerLoop),
                            ("quantization", Quantization),
-                           ("scheduling_policy", SchedulingPolicy),
                            ("preemption_mode", PreemptionMode), ("role", Role)):
             value = getattr(self, name)
             if value is None and name == "layer_loop":
@@ -268,6 +271,7 @@ class EngineConfig:
             except ValueError:
                 raise ValueError(f"{name} must be one of {', '.join(k.value for k in kind)}, "
                                  f"got {value!r}") from None
+        policy_class(self.scheduling_policy)
         positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                     "kv_cache_memory_bytes", "tensor_parallel_size", "expert_parallel_size",
                     "data_parallel_size")
@@ -405,7 +409,7 @@ class EngineConfig:
         """Held prefills (max_held_seqs) as this engine runs them: none in a prefill or
         decode engine, whose prompts end in a handover, or under static batching."""
         self._resolved()
-        if self.role is not Role.BOTH or self.scheduling_policy is SchedulingPolicy.STATIC:
+        if self.role is not Role.BOTH or not policy_class(self.scheduling_policy).holds_prefills:
             return 0
         return self.max_num_seqs if self.max_held_seqs is None else self.max_held_seqs
 
@@ -495,6 +499,8 @@ def add_options(group, cls, skip: tuple[str, ...] = ()) -> None:
             kw |= {"type": str, "choices": [e.value for e in base]}
         else:
             kw["type"] = base
+        if f.metadata.get("choices") is not None:
+            kw["choices"] = list(f.metadata["choices"])
         group.add_argument(_flag(f.name), *f.metadata.get("aliases", ()), **kw)
 
 

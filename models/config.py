@@ -7,24 +7,9 @@ import logging
 import math
 from typing import Any
 
-log = logging.getLogger(__name__)
+from jaxserve.models import families
 
-# HF `architectures` names we can serve, mapped to the family they belong to. All of them are the
-# same decoder (GQA, RMSNorm, SwiGLU, RoPE); they differ in biases, q/k norms, rope scaling and
-# tying.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",  # RMSNorm on each head's q and k before RoPE
-    "Phi3ForCausalLM": "phi3",  # q/k/v and gate/up fused in the checkpoint (split at load)
-    # mixture of experts (models/moe.py): a routed set of SwiGLU experts in place of the MLP
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",  # and Qwen3's q/k norms
-    # local (sliding-window) and global layers, soft-capping, (1 + w) norms, GeGLU
-    "Gemma3ForCausalLM": "gemma3",
-}
-MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}  # where model_type is not the family name
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,22 +99,13 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Build from a transformers `PretrainedConfig` or a config.json dict."""
         d = hf if isinstance(hf, dict) else hf.to_dict()
-        archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            model_type = d.get("model_type")
-            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()} | MODEL_TYPES
-            arch = by_type.get(model_type)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or d.get('model_type')!r}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        arch = families.architecture_of(d.get("architectures") or [], d.get("model_type"))
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         head_dim = _head_dim(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        family = SUPPORTED_ARCHITECTURES[arch]
+        family = families.family(arch).name
         # Qwen's configs name a window that only use_sliding_window turns on
         window = (d.get("sliding_window") if family in ("mistral", "phi3", "gemma3", "mixtral")
                   or d.get("use_sliding_window") else None)

@@ -41,6 +41,7 @@ from jaxserve.kernels.quant import BLOCK, KEPT_TYPES, PLANES, Blocks, one_block
 from jaxserve.kernels.quant import decode as decode_blocks
 from jaxserve.models import cache, moe
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.families import gguf_architectures
 from jaxserve.models.gguf_tokenizer import build_tokenizer
 from jaxserve.models.layer_stack import LayerStack
 from jaxserve.models.llama import HEAD_BLOCKS
@@ -217,10 +218,6 @@ def load_tokenizer(path: str, **kw):
 
 # ------------------------------------------------------------------------------------- GGUF
 
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3moe": "Qwen3MoeForCausalLM"}  # llama with experts: Mixtral
-
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -355,9 +352,10 @@ def _gguf_tokenizer(reader, file: str):
 
 def _gguf_config(meta: dict, file: str) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHS:
+    archs = gguf_architectures()  # llama with experts: Mixtral (below)
+    if arch not in archs:
         raise ValueError(f"{file}: unsupported GGUF architecture {arch!r}; supported: "
-                         f"{sorted(_GGUF_ARCHS)}")
+                         f"{sorted(archs)}")
 
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -366,7 +364,7 @@ def _gguf_config(meta: dict, file: str) -> ModelConfig:
     hidden = int(get("embedding_length"))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     hf = {
-        "architectures": [_GGUF_ARCHS[arch]],
+        "architectures": [archs[arch]],
         "vocab_size": int(get("vocab_size") or 0),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),

@@ -17,22 +17,7 @@ import json
 import sys
 import time
 
-TOPICS = ["the ocean", "a robot", "ancient Rome", "prime numbers", "a lighthouse", "coffee",
-          "the moon", "a violin", "winter", "volcanoes", "a library", "chess", "bees", "rain",
-          "a train journey", "gardening"]
-
-
-def make_prompts(n: int) -> list[str]:
-    kinds = ["Write a short story about {}.", "Explain {} to a child.",
-             "List some facts about {}:", "Describe {} in detail."]
-    return [kinds[i % len(kinds)].format(TOPICS[i % len(TOPICS)]) for i in range(n)]
-
-
-def chat_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                               add_generation_prompt=True, tokenize=True,
-                                               return_dict=False))
-            for p in prompts]
+from jaxserve.bench.chat import chat_ids, make_prompts
 
 
 def timed_twice(run) -> tuple[float, int]:

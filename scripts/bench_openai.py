@@ -26,8 +26,7 @@ import json
 import statistics
 import time
 
-from bench_generate import make_prompts  # a sibling script
-
+from jaxserve.bench.chat import make_prompts
 from jaxserve.serving import api_key
 
 #: One free-text field: the answer runs to max_tokens as an unconstrained one would, so the two

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_generate import chat_ids, make_prompts  # noqa: E402  (the chat workload)
-
-from jaxserve import EngineConfig, LLMEngine  # noqa: E402
-from jaxserve.bench import drivers, report  # noqa: E402
-from jaxserve.bench.workload import BenchRequest  # noqa: E402
+from jaxserve import EngineConfig, LLMEngine
+from jaxserve.bench import drivers, report
+from jaxserve.bench.chat import chat_ids, make_prompts
+from jaxserve.bench.workload import BenchRequest
 
 PASSAGES = [
     "The harbour town wakes early. Fishing boats leave before dawn, and by seven the market "

@@ -40,6 +40,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxserve.bench.decode_step import decode_inputs  # noqa: E402
 from jaxserve.bench.gpu_cost import SMOLLM2  # noqa: E402
 from jaxserve.config import LayerLoop  # noqa: E402
 from jaxserve.kernels.attention import registry, selftest  # noqa: E402
@@ -238,39 +239,6 @@ def make_tokenizer(vocab_size: int, dry_run: bool):
     # default model's (engine/detokenizer.py)
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", clean_up_tokenization_spaces=False)
-
-
-def decode_inputs(runner, b: int, ctx: int):
-    """One decode step of `b` sequences at position `ctx`, padded to its buckets."""
-    from jaxserve.kernels.attention.metadata import AttentionMetadata
-    from jaxserve.runtime.sampling import SamplingInputs
-    from jaxserve.runtime.step_inputs import StepInputs, empty_spec_inputs, seq_bucket
-
-    tok, seq, blk = runner.buckets
-    t = min(x for x in tok if x >= b)
-    s = seq_bucket(seq, t)
-    mb = min(x for x in blk if x * runner.block_size > ctx)
-    tables = np.zeros((s, mb), np.int32)
-    tables[:b] = np.arange(b * mb, dtype=np.int32).reshape(b, mb) % runner.num_blocks
-    pos, tseq = np.zeros(t, np.int32), np.zeros(t, np.int32)
-    pos[:b], tseq[:b] = ctx, np.arange(b)
-    slots = np.full(t, runner.num_blocks * runner.block_size, np.int32)
-    slots[:b] = tables[:b, ctx // runner.block_size] * runner.block_size + ctx % runner.block_size
-    qsl = np.full(s + 1, b, np.int32)
-    qsl[:b] = np.arange(b)
-    ctx_lens = np.zeros(s, np.int32)
-    ctx_lens[:b] = ctx + 1
-    return StepInputs(
-        input_ids=np.ones(t, np.int32), prev_rows=np.full(t, -1, np.int32),
-        attn=AttentionMetadata(pos, tseq, slots, tables, ctx_lens, qsl),
-        logits_indices=np.arange(s, dtype=np.int32) % b,
-        prompt_targets=np.full(t, -1, np.int32),
-        sampling=SamplingInputs(np.zeros(s, np.float32), np.ones(s, np.float32),
-                                np.zeros(s, np.int32), np.zeros(s, np.uint32),
-                                np.zeros(s, np.int32), np.arange(s) < b, np.bool_(False)),
-        processing=runner.logits_shape.unused(s),
-        spec=empty_spec_inputs(s, runner.config.spec_tokens, runner.logits_shape.mask_words),
-        plain=runner.plain_programs)  # greedy rows: the program the engine runs for them
 
 
 def time_step_program(runner, b: int, ctx: int, steps: int) -> float:

@@ -101,17 +101,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def setup(plugin_dir: str, dump_dir: str) -> None:
-    """Before JAX is imported: the CPU as JAX's platform (the CUDA plugin registers only its
-    compiler, no device), the plugin on the path, XLA dumping each compile's launch list."""
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir} "
-                               "--xla_dump_hlo_as_text").strip()
-    if os.path.isdir(plugin_dir):
-        sys.path.insert(0, plugin_dir)
-
-
 def row(p: dict) -> str:
     gb = lambda b: f"{b / 1e9:.3f}"  # noqa: E731
     return (f"| {p['name']} | {p['compile_s']:.1f} | {p['launches']:.0f} "
@@ -141,8 +130,9 @@ def main(argv=None) -> int:
                          f"{', '.join(names)}")
     target = target_path(args.target)
     dump_dir = tempfile.mkdtemp(prefix="gpu-cost-")
-    setup(args.plugin_dir, dump_dir)
     from jaxserve.bench import gpu_cost as gc
+
+    gc.setup_compiler(args.plugin_dir, dump_dir)
 
     tp = args.tensor_parallel_size
     try:

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_check import decode_inputs  # noqa: E402  (the decode step's inputs, padded)
-
-from jaxserve import LLM  # noqa: E402
-from jaxserve.bench.op_count import count_ops, describe  # noqa: E402
+from jaxserve import LLM
+from jaxserve.bench.decode_step import decode_inputs
+from jaxserve.bench.op_count import count_ops, describe
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jaxserve.config import EngineConfig, LayerLoop, add_options, from_options
-from jaxserve.core.scheduler import PreemptionMode, SchedulingPolicy
+from jaxserve.core.scheduler import PreemptionMode
 from jaxserve.kernels.attention.base import AttentionBackend
 
 
@@ -53,13 +53,16 @@ def test_layer_loop_default_unrolls_on_an_accelerator_and_scans_on_a_cpu():
 def test_strings_become_enums_and_bad_names_are_refused():
     cfg = EngineConfig(scheduling_policy="priority", preemption_mode="swap",
                        attention_backend="reference")
-    assert cfg.scheduling_policy is SchedulingPolicy.PRIORITY
+    assert cfg.scheduling_policy == "priority"
     assert cfg.preemption_mode is PreemptionMode.SWAP
     assert cfg.attention_backend is AttentionBackend.REFERENCE
-    assert cfg.on_platform("cpu").scheduler_config().policy is SchedulingPolicy.PRIORITY
+    assert cfg.on_platform("cpu").scheduler_config().policy == "priority"
     for field in ("scheduling_policy", "preemption_mode", "attention_backend"):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: "nonsense"})
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, "
+                                         "static, got 'lottery'"):
+        EngineConfig(scheduling_policy="lottery")
 
 
 def test_every_field_is_an_option_with_its_default_and_help():

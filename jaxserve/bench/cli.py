@@ -34,7 +34,6 @@ from typing import Any
 from jaxserve.bench import drivers, plots, report, roofline
 from jaxserve.bench.workload import WorkloadConfig, make_workload
 from jaxserve.config import EngineConfig, add_options, from_options
-from jaxserve.core.scheduler import SchedulingPolicy
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.profiling import StepWindowProfiler, start_profiler_server
 from jaxserve.models.loader import load_model
@@ -181,7 +180,7 @@ def main(argv=None, prog: str = "bench.py") -> int:
         workload = make_workload(wcfg, engine.model_config.vocab_size)
         if args.compare:
             summaries, raw = drivers.compare(
-                lambda p: engine if p is SchedulingPolicy.FCFS else engine_factory(p), workload,
+                lambda p: engine if p == "fcfs" else engine_factory(p), workload,
                 args.model, args.hf_batch, progress)
             _plot(plots.plot_distributions, raw, out("latency.png"))
         else:

@@ -14,7 +14,6 @@ from jaxserve.bench.report import summarize
 from jaxserve.bench.workload import BenchRequest, progress_bar
 from jaxserve.core.outputs import RequestMetrics
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import SchedulingPolicy
 from jaxserve.serving.client import AsyncClient, ServerError
 from jaxserve.testing.oracle import load_hf_model
 
@@ -171,8 +170,7 @@ def compare(engine_factory: Callable[[str], Any], workload: list[BenchRequest],
                 res, dur = hf_baselines.run_continuous(model, workload, progress)
             out[system], raw[system] = summarize(res, dur, workload), res
         else:
-            engine = engine_factory(SchedulingPolicy.STATIC if system == "jaxserve-static"
-                                    else SchedulingPolicy.FCFS)
+            engine = engine_factory("static" if system == "jaxserve-static" else "fcfs")
             res, dur, samples = run_engine(engine, workload, progress)
             out[system], raw[system] = summarize(res, dur, workload, samples), res
     base = out.get("jaxserve")

@@ -34,6 +34,7 @@ import math
 import os
 import pathlib
 import re
+import sys
 from collections import defaultdict
 
 from jaxserve.bench.op_count import BRANCHES, CALLS, FREE, TRIPS, Instr, parse_hlo
@@ -428,6 +429,18 @@ def abstract_model(preset: dict):
     params = jax.eval_shape(lambda k, v: Transformer(cfg).init(
         jax.random.key(0), i32(1), k, v, md, None), pages, pages)["params"]
     return LoadedModel(cfg, params, None, f"(shapes of {preset})")
+
+
+def setup_compiler(plugin_dir: str, dump_dir: str) -> None:
+    """Before JAX starts: the CPU as JAX's platform (the CUDA plugin registers only its
+    compiler, no device), the plugin's folder on the path, XLA dumping each compile's launch
+    list into `dump_dir`."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = (f"{flags} --xla_dump_to={dump_dir} "
+                               "--xla_dump_hlo_as_text").strip()
+    if os.path.isdir(plugin_dir):
+        sys.path.insert(0, plugin_dir)
 
 
 def target_devices(target: str, count: int = 1) -> list:

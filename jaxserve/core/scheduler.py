@@ -17,17 +17,13 @@ running one, so held prompts never cost the running ones their progress.
 
 A prompt larger than what is left of the token budget is cut into a chunk that shares the step
 with the decodes; the rest follows in later steps. When a running sequence cannot get a block for
-its next token, the lowest-priority, latest-arriving running sequence is preempted (its blocks are
-freed, or copied to the host pool in swap mode) and resumes later exactly where it was.
+its next token, the policy's victim (the lowest-priority, latest-arriving running sequence) is
+preempted (its blocks are freed, or copied to the host pool in swap mode) and resumes later
+exactly where it was.
 
-Policies: "fcfs" (arrival order), "priority" (smaller number first, ties by arrival, optional
-aging) and "static" (a baseline: admit a batch, run it until every member finishes).
-
-Aging rule: a request's effective priority is `priority - floor(age_s / priority_aging_s)`, with
-age counted from arrival: every `priority_aging_s` seconds in the system are worth one priority
-level. A request that waits long enough outranks any newly arrived one, which bounds starvation,
-and preemption needs a strictly better effective priority, so requests of equal standing never
-evict each other back and forth.
+The policy (core/policies.py, named by `policy`) orders every queue: who decodes and is admitted
+first, who is preempted, whether a waiting request may preempt a running one it outranks, and
+whether requests are admitted as a batch.
 """
 
 from __future__ import annotations
@@ -36,18 +32,15 @@ import bisect
 import dataclasses
 import enum
 import itertools
-import math
 import time
 from collections.abc import Callable
-from operator import attrgetter
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.lora import LoRASlots, SlotLoad
+from jaxserve.core.policies import policy_class
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.core.speculative import Speculator
 from jaxserve.core.swap_space import SwapSpace
-
-_BY_ARRIVAL = attrgetter("arrival_index")
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
@@ -63,12 +56,6 @@ def pick_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 _STEP_ROWS = 8
 
 
-class SchedulingPolicy(enum.StrEnum):
-    FCFS = "fcfs"  # arrival order
-    PRIORITY = "priority"  # smaller number first, ties by arrival, optional aging
-    STATIC = "static"  # a baseline: a batch runs until its last member finishes
-
-
 class PreemptionMode(enum.StrEnum):
     RECOMPUTE = "recompute"  # free the blocks; prefill prompt + generated tokens again later
     SWAP = "swap"  # copy the blocks to the host pool and back (recompute when it is full)
@@ -79,7 +66,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    policy: str = "fcfs"  # a name in core/policies.py's POLICIES
     priority_aging_s: float | None = None
     prefill_chunk_alignment: int = 1
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
@@ -99,7 +86,7 @@ class SchedulerConfig:
     ttft_target_s: float | None = None
 
     def __post_init__(self):  # plain strings are accepted and normalized
-        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        policy_class(self.policy, "policy")
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
 
 
@@ -208,6 +195,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter,
                  speculator: Speculator | None = None, lora_slots: LoRASlots | None = None):
         self.config = config
+        self.policy = policy_class(config.policy, "policy")(aging_s=config.priority_aging_s)
         # the device's LoRA slots (None: no adapters); a sequence holds its adapter's slot
         # while admitted, and one whose adapter finds no slot free waits
         self.lora_slots = lora_slots
@@ -239,23 +227,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def _key(self, seq: Sequence, now: float) -> tuple:
-        """Sort key: smaller runs first, and is preempted last."""
-        if self.config.policy is not SchedulingPolicy.PRIORITY:
-            return (seq.arrival_index,)
-        prio = seq.priority
-        if self.config.priority_aging_s:
-            # Age counts from arrival for running requests too, so an aged request that got in
-            # is not thrown out again by the next arrival it outranked.
-            prio -= math.floor((now - seq.arrival_time) / self.config.priority_aging_s)
-        return (prio, seq.arrival_index)
-
-    def _sort(self, seqs: list[Sequence], now: float) -> None:
-        if self.config.policy is SchedulingPolicy.PRIORITY:
-            seqs.sort(key=lambda s: self._key(s, now))
-        else:
-            seqs.sort(key=_BY_ARRIVAL)  # C-level key: this runs every step over every request
-
     # -------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -265,12 +236,10 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         if self.held and len(self.running) < cfg.max_num_seqs:
             self._promote_held(now)
-        self._sort(self.running, now)
-        if cfg.policy is SchedulingPolicy.PRIORITY:
-            self._preempt_for_priority(now, budget, out)
-        elif cfg.policy is SchedulingPolicy.STATIC and not self.running and not self.swapped:
-            self._admit_static_batch(now, out)
-        num_priority_preemptions = len(out.preempted)
+        self.policy.sort(self.running, now)
+        self._preempt_outranked(now, budget, out)
+        self._admit_batch(now, out)
+        num_rank_preemptions = len(out.preempted)
 
         if bm.window is not None:  # pages no query of this step sees go back first
             for s in itertools.chain(self.running, self.held):
@@ -278,7 +247,7 @@ class Scheduler:
         decodes, partial = [], []
         for s in self.running:
             (decodes if s.is_decoding else partial).append(s)
-        if not num_priority_preemptions:  # else the slot freed goes to the one it was for
+        if not num_rank_preemptions:  # else the slot freed goes to the one it was for
             partial += [s for s in self.held if not s.is_decoding]
         block_size = bm.block_size
         running = SequenceStatus.RUNNING
@@ -325,9 +294,10 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
 
-        if len(out.preempted) > num_priority_preemptions:
+        if len(out.preempted) > num_rank_preemptions:
             return out  # memory is short for the running ones: admit nothing new this step
-        self._admit(self._admission_order(now), budget, now, out)
+        self._admit(self.policy.admission_order(self.waiting, self.swapped, now), budget, now,
+                    out)
         if cfg.decode_steps > 1:
             self._run_ahead(out, len(self.running) - num_finishing)
         return out
@@ -390,14 +360,14 @@ class Scheduler:
         target = self.config.ttft_target_s
         late = [s for s in self.waiting if s.num_tokens == s.num_prompt_tokens
                 and now - s.arrival_time >= target]
-        self._sort(late, now)
+        self.policy.sort(late, now)
         return late
 
     def _promote_held(self, now: float) -> None:
         """Held sequences take the decode slots that are free, best first. (Under priority a
         waiting request that outranks one then preempts it as it would any running one:
         held sequences never keep their blocks from a free slot.)"""
-        self._sort(self.held, now)
+        self.policy.sort(self.held, now)
         n = self.config.max_num_seqs - len(self.running)
         for seq in self.held[:n]:
             seq.status = SequenceStatus.RUNNING
@@ -512,12 +482,15 @@ class Scheduler:
         else:
             out.copies.append(KVCopy(to_host, list(device_ids), list(host_ids)))
 
-    def _admit_static_batch(self, now: float, out: SchedulerOutput) -> None:
-        """Static batching: the next max_num_seqs requests form a batch at once, whatever this
-        step's token budget; their prompts are then prefilled (in chunks) like any other."""
-        self._sort(self.waiting, now)
+    def _admit_batch(self, now: float, out: SchedulerOutput) -> None:
+        """The batch the policy admits at once (static batching), up to max_num_seqs of it,
+        whatever this step's token budget; their prompts are then prefilled (in chunks) like
+        any other."""
+        candidates = self.policy.batch(self.waiting, len(self.running) + len(self.swapped), now)
+        if not candidates:
+            return
         batch = []
-        for seq in self.waiting:
+        for seq in candidates:
             if len(batch) == self.config.max_num_seqs:
                 break
             if not seq.lora_id or self._take_lora_slot(seq, out, batch):
@@ -542,16 +515,6 @@ class Scheduler:
         if load:
             out.lora_loads.append(SlotLoad(seq.lora_slot, seq.lora_id))
         return True
-
-    def _admission_order(self, now: float) -> list[Sequence]:
-        """Who may enter the running set next, best first."""
-        if self.config.policy is SchedulingPolicy.STATIC:
-            return list(self.swapped)  # the batch runs until its last member finishes
-        if self.config.policy is SchedulingPolicy.PRIORITY:
-            return sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now))
-        # FCFS: swapped sequences were running before anything now waiting was admitted.
-        self._sort(self.waiting, now)
-        return self.swapped + self.waiting
 
     def _fit_bucket(self, used: int, budget: int, partial: list[Sequence]) -> int:
         """The budget left for prompt tokens once `used` decode tokens are in, cut to end the
@@ -611,22 +574,25 @@ class Scheduler:
         while not bm.can_allocate(seq, num_tokens):
             candidates = ([s for s in self.held if s not in taken]
                           or [s for s in self.running if s not in taken])
-            victim = max(candidates, key=lambda s: self._key(s, now))
+            victim = self.policy.victim(candidates, now)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
 
-    def _preempt_for_priority(self, now: float, budget: int, out: SchedulerOutput) -> None:
-        """Preempt running requests that a waiting one outranks, when seqs or blocks are full."""
-        bm = self.block_manager
+    def _preempt_outranked(self, now: float, budget: int, out: SchedulerOutput) -> None:
+        """Preempt running requests that a waiting one outranks (the policy says who does),
+        when seqs or blocks are full."""
+        if not self.running or not (self.waiting or self.swapped):
+            return
+        bm, policy = self.block_manager, self.policy
         free, num_running = bm.num_free_blocks, len(self.running)
-        for cand in sorted(self.swapped + self.waiting, key=lambda s: self._key(s, now)):
+        for cand in policy.admission_order(self.waiting, self.swapped, now):
             n = min(cand.num_uncomputed_tokens, budget)
             need = bm.num_new_blocks(cand, cand.num_computed_tokens + n)
             while (num_running >= self.config.max_num_seqs or need > free) and self.running:
-                worst = self.running[-1]  # running is sorted: the worst is last
-                if self._key(worst, now)[0] <= self._key(cand, now)[0]:
+                worst = policy.victim(self.running, now)
+                if not policy.outranks(cand, worst, now):
                     return  # nobody running is outranked by the best candidate left
                 free += len(worst.block_table)
                 num_running -= 1

@@ -35,13 +35,12 @@ from jaxserve.kernels.attention.base import AttentionBackend, is_fp8, platform_o
 from jaxserve.kernels.attention.choose import choose_attention
 from jaxserve.kernels.attention.selftest import describe_error
 from jaxserve.kernels.cpu_matmul import block_matmul_or_none
-from jaxserve.models import layer_stack, lora
+from jaxserve.models import families, layer_stack, lora
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import (
     HEAD_BLOCKS,
     LAYER_BLOCKS,
     LORA,
-    Transformer,
     fuse_projections,
     head_blocks,
     layout_params,
@@ -545,12 +544,14 @@ class ModelRunner:
             if self.model_config.vocab_size % self.tensor_parallel_size == 0:  # split by vocab
                 embed_fn = sharding.shard_embedding(self.mesh)
         scan = self.config.scan_layers
-        self.model = Transformer(self.model_config, self.dtype, attn_fn, scan_layers=scan,
+        model_class = families.family(self.model_config.architecture).model_class()
+        self.model = model_class(self.model_config, self.dtype, attn_fn, scan_layers=scan,
                                  block_matmul=self.block_matmul, experts_fn=experts_fn,
                                  kv_layout=self.kv_layout, embed_fn=embed_fn,
                                  kv_scales=self.kv_scales)
         if self.draft_config is not None:
-            self.draft_model = Transformer(self.draft_config, self.dtype, attn_fn,
+            draft_class = families.family(self.draft_config.architecture).model_class()
+            self.draft_model = draft_class(self.draft_config, self.dtype, attn_fn,
                                            scan_layers=scan, block_matmul=self.block_matmul,
                                            kv_scales=self.kv_scales)
 

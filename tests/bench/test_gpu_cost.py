@@ -229,9 +229,9 @@ GGUF_COSTS = """
 import json, os, sys, tempfile
 sys.path.insert(0, os.path.join(sys.argv[1], "scripts"))
 import gpu_cost
-dump = tempfile.mkdtemp()
-gpu_cost.setup(sys.argv[2], dump)
 from jaxserve.bench import gpu_cost as gc
+dump = tempfile.mkdtemp()
+gc.setup_compiler(sys.argv[2], dump)
 target = gpu_cost.target_path("h100")
 device, bandwidth = gc.target_device(target), gc.bandwidth_of(target)
 preset = dict(gc.SMOLLM2, num_hidden_layers=2)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HOST_MODULES = ("jaxserve", "jaxserve.core.scheduler", "jaxserve.core.block_manager",
+HOST_MODULES = ("jaxserve", "jaxserve.core.scheduler", "jaxserve.core.policies",
+                "jaxserve.core.block_manager",
                 "jaxserve.core.swap_space", "jaxserve.core.sequence",
                 "jaxserve.core.sampling_params", "jaxserve.core.outputs", "jaxserve.core.router",
                 "jaxserve.config",
