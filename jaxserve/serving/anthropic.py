@@ -20,9 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxserve.core.admission import LimitError
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.serving import reasoning, tools
-from jaxserve.serving.core import LimitError
 from jaxserve.serving.http_common import ApiError, typed_event
 
 PREFIX = "/v1/messages"
@@ -80,7 +80,7 @@ class Messages:
         if choice is not None and choice.is_forced:
             await self.api._force_calls(params, choice)
         await self.api._after_reasoning(params)
-        ids = await self._prompt_ids(prompt, params)
+        ids = await self._prompt_ids(prompt)
         engine_id, out_stream = await self.api._submit(prompt, ids, params, "msg", names,
                                                        model=body["model"])
         builder = MessageBuilder({
@@ -103,7 +103,7 @@ class Messages:
         """The templated prompt's tokens (system and tools included), as create counts them."""
         body = await self.api._body(request)
         prompt, _ = await self._prompt(body)
-        ids = await self._prompt_ids(prompt, SamplingParams(max_tokens=1))
+        ids = await self._prompt_ids(prompt)
         return web.json_response({"input_tokens": len(ids)})
 
     async def _prompt(self, body: dict) -> tuple[str, tools.ToolChoice | None]:
@@ -128,12 +128,12 @@ class Messages:
             raise ApiError(400, "stop_sequences must be a list of strings",
                            param="stop_sequences")
         raw = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if k in body}
-        return self.api._params(raw | ({"stop": stop} if stop else {}), None,
+        return self.api._params(raw | ({"stop": stop} if stop else {}),
                                 {"stop": "stop_sequences", "prompt": "messages"})
 
-    async def _prompt_ids(self, prompt: str, params: SamplingParams) -> list[int]:
+    async def _prompt_ids(self, prompt: str) -> list[int]:
         try:
-            return await self.api.server.prompt_ids(prompt, None, params)
+            return await self.api.server.prompt_ids(prompt, None)
         except LimitError as e:
             raise ApiError(400, str(e), param=e.param) from None
 

@@ -28,12 +28,13 @@ from aiohttp import web
 
 from jaxserve import __version__
 from jaxserve.core import nesting
+from jaxserve.core.admission import LimitError
 from jaxserve.core.sampling_params import SamplingParams, param_names
 from jaxserve.engine.llm import normalized
 from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving import anthropic, embeddings, reasoning, responses, tools
 from jaxserve.serving.async_engine import StreamOverflow
-from jaxserve.serving.core import LimitError, ServingCore, engine_failure
+from jaxserve.serving.core import ServingCore, engine_failure
 from jaxserve.serving.http_common import ApiError, typed_event
 from jaxserve.serving.loras import LoRAError
 from jaxserve.serving.replicas import ReplicaSet
@@ -131,13 +132,15 @@ class _Api:
             raise _lora_error(e) from None
         return body
 
-    def _params(self, body: dict, default_max_tokens: int | None,
-                names: dict[str, str] | None = None) -> tuple[SamplingParams, dict[str, str]]:
-        """SamplingParams from the body: its fields under their own names, plus OpenAI's
-        spellings (max_completion_tokens; chat's logprobs: true with top_logprobs: k;
-        response_format and guided_* as structured_outputs). `default_max_tokens` None: up to
-        the end of the context, as OpenAI's chat API does. Also returns `names` (the route's
-        {internal field: body field}) with those spellings added, for _field_error."""
+    def _params(self, body: dict, names: dict[str, str] | None = None, *,
+                open_ended: bool = False) -> tuple[SamplingParams, dict[str, str]]:
+        """The body translated into SamplingParams, unchecked (the engine admits them: see
+        core/admission.py): its fields under their own names, plus OpenAI's spellings
+        (max_completion_tokens; chat's logprobs: true with top_logprobs: k; response_format
+        and guided_* as structured_outputs). `open_ended`: no max_tokens means up to the end
+        of the context, as OpenAI's chat API has it (else SamplingParams' default). Also
+        returns `names` (the route's {internal field: body field}) with those spellings
+        added, for _field_error."""
         names = dict(names or {})
         raw = {k: body[k] for k in param_names() if k in body}
         if raw.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
@@ -157,11 +160,10 @@ class _Api:
             names["structured_outputs"], raw["structured_outputs"] = structured
         try:
             params = SamplingParams.from_dict(raw)
-            if "max_tokens" not in raw or raw["max_tokens"] is None:
-                params.max_tokens = default_max_tokens
-            params.validate(self.server.engine.config.max_logprobs)
         except ValueError as e:
             raise _field_error(str(e), names) from None
+        if open_ended and raw.get("max_tokens") is None:
+            params.max_tokens = None
         return params, names
 
     def _template_options(self, body: dict, messages: list[dict]) -> dict:
@@ -235,15 +237,14 @@ class _Api:
         body's, the base model or a loaded adapter (unloaded since _body checked it: 404)."""
         if self.server.draining:
             raise ApiError(503, "the server is shutting down", kind="server_error")
-        try:
-            prompt_ids = await self.server.prompt_ids(prompt, prompt_ids, params)
-        except LimitError as e:
-            raise _field_error(str(e), names, e.param) from None
         engine_id = self.server.new_engine_id(prefix)
         try:
+            prompt_ids = await self.server.prompt_ids(prompt, prompt_ids)
             stream = await self.server.submit(engine_id, prompt, prompt_ids, params,
                                               cache_salt=cache_salt, pooling=pooling,
                                               model=model)
+        except LimitError as e:
+            raise _field_error(str(e), names, e.param) from None
         except QueueFullError as e:
             raise ApiError(429, str(e), kind="rate_limit_error") from None
         except LoRAError as e:
@@ -350,7 +351,7 @@ class _Api:
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
             raise ApiError(400, "echo must be a boolean", param="echo")
-        params, names = self._params(body, 16, {"prompt_token_ids": "prompt"})
+        params, names = self._params(body, {"prompt_token_ids": "prompt"})
         if echo and params.logprobs is not None and params.prompt_logprobs is None:
             # OpenAI's echo with logprobs scores the prompt's tokens too
             params.prompt_logprobs = params.logprobs
@@ -413,7 +414,7 @@ class _Api:
         except tools.ToolError as e:
             raise ApiError(400, str(e), param=e.param) from None
         prompt = await self._chat_prompt(body, messages, choice, "messages")
-        params, names = self._params(body, None, {"prompt": "messages"})
+        params, names = self._params(body, {"prompt": "messages"}, open_ended=True)
         if choice is not None and choice.is_forced:
             await self._force_calls(params, choice)
         await self._after_reasoning(params)
@@ -560,7 +561,8 @@ class _Api:
                                           if k in body}, system + messages, choice, "input")
         sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
         params, names = self._params(sampling | {"max_tokens": body.get("max_output_tokens")},
-                                     None, {"max_tokens": "max_output_tokens", "prompt": "input"})
+                                     {"max_tokens": "max_output_tokens", "prompt": "input"},
+                                     open_ended=True)
         if structured is not None:
             params.structured_outputs = await self._grammar(structured, "text")
         if choice is not None and choice.is_forced:
@@ -619,7 +621,7 @@ class _Api:
         if self._model(body) != self.server.config.model_name:
             raise ApiError(400, "embeddings come from the base model only, not a LoRA adapter",
                            param="model")
-        params = SamplingParams(max_tokens=1)  # what prompt_ids checks against the limits
+        params = SamplingParams(max_tokens=1)  # unused: the engine pools the prompt instead
         names = {"prompt": "input", "prompt_token_ids": "input"}
         submitted = []
         try:
