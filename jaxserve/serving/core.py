@@ -1,5 +1,5 @@
 """The serving core both fronts stand on (the socket protocol, socket_front.py; OpenAI HTTP,
-openai_http.py): the engine threads behind the router, the server's limits and API key, prompts
+openai/): the engine threads behind the router, the server's limits and API key, prompts
 tokenized off the event loop, requests submitted and aborted, Prometheus export, and the drain
 at shutdown. server.py runs the fronts over one core.
 """
