@@ -40,6 +40,17 @@ def _clip(v) -> str:  # a refused value, quoted without echoing megabytes of it 
     return r if len(r) <= 80 else r[:77] + "..."
 
 
+class ParamError(ValueError):
+    """A bad sampling parameter; the message starts with the field's name."""
+
+
+def check_structured(spec) -> None:
+    """Raise ParamError unless `spec` holds exactly one of STRUCTURED_KINDS."""
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        raise ParamError(f"structured_outputs must hold exactly one of "
+                         f"{', '.join(STRUCTURED_KINDS)}, got {_clip(spec)}")
+
+
 def fold_seed(seed: int) -> int:
     """A request seed in [0, 2^64) as the 32-bit seed the step arrays hold (identity below
     2^32, so small seeds keep their streams)."""
@@ -132,80 +143,77 @@ class SamplingParams:
                 or self.allowed_token_ids is not None or self.min_p > 0)
 
     def validate(self, max_logprobs: int) -> None:
-        """Raise ValueError naming the first bad field.
+        """Raise ParamError naming the first bad field.
 
-        Every front (library, socket, HTTP) goes through here, so every value that reaches a
-        step array is known to fit it: int32 for top_k, a 64-bit seed folded to 32 bits."""
+        Every request goes through here once (core/admission.py), so every value that reaches
+        a step array is known to fit it: int32 for top_k, a 64-bit seed folded to 32 bits."""
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+            raise ParamError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
         if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+            raise ParamError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
                              f"got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
-            raise ValueError(f"top_k must be 0, -1 (off) or a positive int below 2^31, "
+            raise ParamError(f"top_k must be 0, -1 (off) or a positive int below 2^31, "
                              f"got {self.top_k!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens)
                                             or not 1 <= self.max_tokens <= INT32_MAX):
-            raise ValueError(f"max_tokens must be an int in [1, 2^31), got {self.max_tokens!r}")
+            raise ParamError(f"max_tokens must be an int in [1, 2^31), got {self.max_tokens!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(
                 not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at "
+            raise ParamError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at "
                              f"most {MAX_STOP_CHARS} characters, got {_clip(self.stop)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
                 not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative "
+            raise ParamError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative "
                              f"ints, got {_clip(self.stop_token_ids)}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an int in [0, 2^64), got {self.seed!r}")
+            raise ParamError(f"seed must be an int in [0, 2^64), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= max_logprobs):
-                raise ValueError(f"{name} must be an int in [0, {max_logprobs}], got {v!r}")
+                raise ParamError(f"{name} must be an int in [0, {max_logprobs}], got {v!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ParamError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not -2 <= v <= 2:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+                raise ParamError(f"{name} must be a number in [-2, 2], got {v!r}")
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got "
+            raise ParamError(f"repetition_penalty must be in (0, 10], got "
                              f"{self.repetition_penalty!r}")
         if self.logit_bias is not None and (
                 not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS
                 or any(not _is_int(k) or k < 0 or not _is_real(v) or not -100 <= v <= 100
                        for k, v in self.logit_bias.items())):
-            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to "
+            raise ParamError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to "
                              f"numbers in [-100, 100], got {_clip(self.logit_bias)}")
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids
                 or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
-            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+            raise ParamError(f"allowed_token_ids must be a non-empty list of token ids, got "
                              f"{_clip(self.allowed_token_ids)}")
         if self.bad_words is not None and (
                 len(self.bad_words) > MAX_BAD_WORDS
                 or any(not isinstance(w, str) or not 0 < len(w) <= MAX_STOP_CHARS
                        for w in self.bad_words)):
-            raise ValueError(f"bad_words must be at most {MAX_BAD_WORDS} non-empty strings of "
+            raise ParamError(f"bad_words must be at most {MAX_BAD_WORDS} non-empty strings of "
                              f"at most {MAX_STOP_CHARS} characters, got {_clip(self.bad_words)}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
-            raise ValueError(f"min_tokens must be a non-negative int, got {self.min_tokens!r}")
+            raise ParamError(f"min_tokens must be a non-negative int, got {self.min_tokens!r}")
         if (self.max_tokens is not None and _is_int(self.min_tokens)
                 and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+            raise ParamError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
                              f"({self.max_tokens})")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+                raise ParamError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.output_kind not in OUTPUT_KINDS:
-            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+            raise ParamError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
                              f"{_clip(self.output_kind)}")
-        so = self.structured_outputs
-        if so is not None and (not isinstance(so, dict) or len(so) != 1
-                               or next(iter(so)) not in STRUCTURED_KINDS):
-            raise ValueError(f"structured_outputs must hold exactly one of "
-                             f"{', '.join(STRUCTURED_KINDS)}, got {_clip(so)}")
+        if self.structured_outputs is not None:
+            check_structured(self.structured_outputs)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, allow_unknown: bool = False) -> SamplingParams:

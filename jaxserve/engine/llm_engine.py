@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import POOLINGS, EngineConfig, Role
+from jaxserve.core import admission
 from jaxserve.core.block_hash import check_salt
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.lora import LoRARequest, LoRASlots
@@ -173,6 +174,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.postprocessor = Postprocessor(self.scheduler, config.max_model_len, frozenset(eos))
+        # what admission checks a request against; a server narrows it (max_tokens_limit)
+        self.limits = admission.Limits(config.max_model_len, config.max_logprobs)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self._prompts: dict[str, str | None] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -285,25 +288,18 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate(self.config.max_logprobs)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         check_salt(cache_salt)
         ids = self.prompt_ids(prompt, prompt_token_ids)
+        params = admission.admit(params, len(ids), self.limits, most_tokens_held=(
+            self.block_manager.most_tokens_held(self.config.max_num_batched_tokens)))
         adapter = None
         if lora_request is not None:
             if self.loras is None:
                 raise ValueError("lora_request: this engine serves no adapters (enable_lora "
                                  "is off)")
             adapter = self.loras.add(lora_request)
-        if params.max_tokens is None:  # the rest of the context, as far as the pool holds it
-            held = self.block_manager.most_tokens_held(self.config.max_num_batched_tokens)
-            room = min(self.config.max_model_len,
-                       self.config.max_model_len if held is None else held) - len(ids)
-            if room < 1:
-                raise ValueError(f"prompt has {len(ids)} tokens: no room left for max_tokens "
-                                 f"in max_model_len ({self.config.max_model_len})")
-            params = dataclasses.replace(params, max_tokens=room)
         self._check_fits(len(ids), params)
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import Any
 
 from jaxserve.core import nesting
+from jaxserve.core.sampling_params import check_structured
 
 #: How JSON output is laid out: no free whitespace, so a small model cannot wander off into
 #: blanks, and every answer is compact JSON.
@@ -50,6 +51,7 @@ class GrammarCompiler:
         """The llguidance grammar of a `structured_outputs` value; ValueError if malformed."""
         from llguidance import LLMatcher
 
+        check_structured(spec)  # the shape admission checks: a server compiles before it
         (kind, value), = spec.items()
         try:
             if kind == "json":

@@ -1,5 +1,5 @@
 """The serving core both fronts stand on (the socket protocol, socket_front.py; OpenAI HTTP,
-openai_http.py): the engine threads behind the router, the server's limits and API key, prompts
+openai/): the engine threads behind the router, the server's limits and API key, prompts
 tokenized off the event loop, requests submitted and aborted, Prometheus export, and the drain
 at shutdown. server.py runs the fronts over one core.
 """
@@ -15,9 +15,10 @@ import itertools
 import time
 
 from jaxserve.config import Role, option
+from jaxserve.core.admission import LimitError, Limits
 from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import ParamError
 from jaxserve.engine import data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.serving.async_engine import RequestStream
@@ -93,14 +94,6 @@ class ServerConfig:
                                  f"model_name, got {names}")
 
 
-class LimitError(ValueError):
-    """A request over one of the server's limits; `param` names the field."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
 class ServingCore:
     """What the fronts share; a front adds its own listener and connections on top."""
 
@@ -128,6 +121,9 @@ class ServingCore:
 
             self.replicas = ReplicaSet(engines, router, self.config.max_queue_per_request,
                                        on_step)
+        engine_cfg = self.engine.config
+        self.replicas.admit_under(Limits(engine_cfg.max_model_len, engine_cfg.max_logprobs,
+                                         self.config.max_tokens_limit))
         check_lora_options(self.engine.config.enable_lora, self.config.lora_modules)
         self.loras = ServerLoRAs(self.replicas, self.config.model_name,
                                  self.engine.config.enable_lora, self.config.lora_allowed_dir,
@@ -178,20 +174,14 @@ class ServingCore:
     def new_engine_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                         params: SamplingParams) -> list[int] | None:
-        """The request's prompt as token ids, within the server's limits; raises LimitError.
-        A request without max_tokens is capped at `max_tokens_limit`, when there is one.
+    async def prompt_ids(self, prompt: str | None,
+                         prompt_token_ids: list[int] | None) -> list[int] | None:
+        """The request's prompt as token ids, within the server's prompt limits; raises
+        LimitError.
 
         The event loop never tokenizes: a prompt with more characters than the limit's tokens
         could hold (each at most the vocabulary's longest token) is refused unread, and any
         other goes to the tokenizer thread."""
-        cfg = self.config
-        max_tokens = params.max_tokens
-        if (cfg.max_tokens_limit is not None and max_tokens is not None
-                and max_tokens > cfg.max_tokens_limit):
-            raise LimitError(f"max_tokens {max_tokens} exceeds the server's max_tokens_limit "
-                             f"({cfg.max_tokens_limit})", "max_tokens")
         limit = self.prompt_token_limit
         ids = prompt_token_ids
         if ids is None and prompt is not None and self.engine.tokenizer is not None:
@@ -202,14 +192,6 @@ class ServingCore:
         if ids is not None and len(ids) > limit:
             raise LimitError(f"prompt has {len(ids)} tokens, more than max_prompt_tokens "
                              f"({limit})", "prompt")
-        if params.structured_outputs is not None and self.engine.grammars is not None:
-            try:  # compiled here, on the tokenizer thread: the engine thread finds it ready
-                await self.off_loop(self.engine.grammars.check, params.structured_outputs)
-            except ValueError as e:
-                raise LimitError(str(e), "structured_outputs") from None
-        if max_tokens is None and cfg.max_tokens_limit is not None and ids is not None:
-            room = self.engine.config.max_model_len - len(ids)
-            params.max_tokens = max(1, min(cfg.max_tokens_limit, room))
         return ids
 
     @property
@@ -236,7 +218,16 @@ class ServingCore:
         """`pooling`: an embedding request (engines in this process only). `model`: the
         base model's name or a loaded adapter's (LoRAError 404 for neither), looked up in the
         same turn of the event loop that queues the request (see serving/loras.py); `lora`:
-        the adapter itself instead (a role engine's, as its front named it)."""
+        the adapter itself instead (a role engine's, as its front named it). `params` as the
+        front translated them: the engine admits them (core/admission.py), raising
+        ParamError or LimitError naming the field."""
+        if params.structured_outputs is not None and self.engine.grammars is not None:
+            try:  # compiled here, on the tokenizer thread: the engine thread finds it ready
+                await self.off_loop(self.engine.grammars.check, params.structured_outputs)
+            except ParamError:
+                raise
+            except ValueError as e:
+                raise LimitError(str(e), "structured_outputs") from None
         lora = lora if lora is not None else self.loras.resolve(model)
         extra = {} if pooling is None else {"pooling": pooling}
         if lora is not None:

@@ -34,6 +34,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.config import EngineConfig, option
+from jaxserve.core import admission
 from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.core.router import Router
@@ -308,6 +309,7 @@ class DisaggSet:
         self._live: dict[str, _Request] = {}
         self._tasks: set[asyncio.Task] = set()
         self._snaps: dict[str, dict] = {}  # per engine: its latest stats
+        self.limits: admission.Limits | None = None  # the serving core's (admit_under)
 
     @property
     def links(self) -> list[EngineLink]:
@@ -317,6 +319,9 @@ class DisaggSet:
 
     def start(self) -> None:
         pass
+
+    def admit_under(self, limits: admission.Limits) -> None:
+        self.limits = limits
 
     async def connect(self) -> None:
         await asyncio.gather(*(link.connect(self.connect_timeout_s) for link in self.links))
@@ -338,14 +343,21 @@ class DisaggSet:
                                      "status": "ok" if x.alive else "gone"}
                             for x in self.links}}
 
-    async def add_request(self, request_id: str, prompt: str | None, params, *,
+    async def add_request(self, request_id: str, prompt: str | None = None,
+                          params: SamplingParams | None = None, *,
                           prompt_token_ids: list[int] | None = None, priority: int = 0,
-                          cache_salt: str | None = None,
+                          cache_salt: str | None = None, pooling: str | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
-        """Start the request's prompt on a prefill engine and return its stream once the first
-        token (or a refusal: ValueError, QueueFullError) is back."""
+        """Admit the request (core/admission.py; its prefill engine admits it again), start
+        its prompt on a prefill engine and return its stream once the first token (or a
+        refusal: ValueError, QueueFullError) is back."""
         if prompt_token_ids is None:
             raise ValueError("prompt: this front needs the prompt's token ids")
+        if pooling is not None:
+            raise ValueError("pooling: embeddings are served by an engine in this process "
+                             "only, not through a disaggregated front")
+        params = admission.admit(params if params is not None else SamplingParams(),
+                                 len(prompt_token_ids), self.limits, pool_elsewhere=True)
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id, asyncio.get_running_loop(),

@@ -11,9 +11,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from jaxserve.core.admission import Limits
 from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.router import Router
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.serving.async_engine import AsyncEngine, RequestStream
@@ -52,10 +54,10 @@ class ReplicaSet:
     def tokens_after_disconnect(self) -> int:
         return sum(r.tokens_after_disconnect for r in self.replicas)
 
-    async def add_request(self, request_id: str, prompt: str | None, params, *,
+    async def add_request(self, request_id: str, prompt: str | None = None,
+                          params: SamplingParams | None = None, *,
                           prompt_token_ids: list[int] | None = None, priority: int = 0,
-                          cache_salt: str | None = None,
-                          pooling: str | None = None,
+                          cache_salt: str | None = None, pooling: str | None = None,
                           lora_request: LoRARequest | None = None) -> RequestStream:
         lora = None if lora_request is None else str(lora_request.lora_int_id)
         i = self.router.route(request_id, prompt_token_ids, cache_salt, lora)
@@ -88,6 +90,11 @@ class ReplicaSet:
         return await asyncio.gather(*(r.call(fn) for r in self.replicas))
 
     # What the serving core asks of any set of engines (serving/disagg.py has the other).
+
+    def admit_under(self, limits: Limits) -> None:
+        """Admit requests under the server's limits (its max_tokens_limit); before start."""
+        for r in self.replicas:
+            r.engine.limits = limits
 
     async def add_lora(self, lora: LoRARequest) -> None:
         """Read and check the adapter on every engine: ValueError (the first engine's) with

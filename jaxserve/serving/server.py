@@ -1,5 +1,5 @@
 """The serving process: the socket protocol (socket_front.py) and, optionally, OpenAI-style HTTP
-(openai_http.py), both over one serving core (core.py).
+(openai/), both over one serving core (core.py).
 
 One engine thread per replica keeps a single continuous batch full for every connection of
 either front.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.serving import openai_http
 from jaxserve.serving.core import ServerConfig, ServingCore
+from jaxserve.serving.openai import app as http_app
 from jaxserve.serving.socket_front import SocketFront
 
 __all__ = ["Server", "ServerConfig"]
@@ -34,8 +34,8 @@ class Server(ServingCore):
         cfg = self.config
         self.socket_port = await self.socket.start(cfg.host, cfg.port)
         if cfg.http_port is not None:
-            self._http_runner, self.http_port = await openai_http.serve(self, cfg.host,
-                                                                        cfg.http_port)
+            self._http_runner, self.http_port = await http_app.serve(self, cfg.host,
+                                                                     cfg.http_port)
 
     def where(self) -> str:
         s = f"socket {self.config.host}:{self.socket_port}"

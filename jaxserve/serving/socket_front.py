@@ -14,11 +14,13 @@ import logging
 from typing import Any
 
 from jaxserve.config import Role
+from jaxserve.core.admission import LimitError
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import ParamError
 from jaxserve.engine.llm_engine import QueueFullError
 from jaxserve.serving import engine_secret
 from jaxserve.serving.async_engine import RequestStream, StreamOverflow
-from jaxserve.serving.core import LimitError, ServingCore, engine_failure
+from jaxserve.serving.core import ServingCore, engine_failure
 from jaxserve.serving.flow import Watched, configure_transport
 from jaxserve.serving.handover_frames import HandoverFrames
 from jaxserve.serving.loras import LoRAError
@@ -266,11 +268,6 @@ class SocketFront:
             conn.error("limit_exceeded", f"max_concurrent_per_connection ({most}) reached",
                        req.id)
             return
-        try:
-            req.params.validate(self.core.engine.config.max_logprobs)
-        except ValueError as e:  # the message starts with the field's name
-            conn.error("invalid_field", f"params.{e}", req.id)
-            return
         engine_id = f"c{conn.number}-{req.id}"
         conn.active[req.id] = engine_id  # from here a disconnect aborts it
         # Queued off the read loop: the next frame (a 65th request, an abort) is read at once,
@@ -281,7 +278,7 @@ class SocketFront:
 
     async def _queue(self, conn: _Conn, req, engine_id: str) -> None:
         try:
-            ids = await self.core.prompt_ids(req.prompt, req.prompt_token_ids, req.params)
+            ids = await self.core.prompt_ids(req.prompt, req.prompt_token_ids)
             if conn.closed:
                 conn.active.pop(req.id, None)
                 return
@@ -291,6 +288,10 @@ class SocketFront:
         except LimitError as e:
             conn.active.pop(req.id, None)
             conn.error("limit_exceeded", str(e), req.id)
+            return
+        except ParamError as e:  # the message starts with the field's name
+            conn.active.pop(req.id, None)
+            conn.error("invalid_field", f"params.{e}", req.id)
             return
         except QueueFullError as e:
             conn.active.pop(req.id, None)

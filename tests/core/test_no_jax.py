@@ -8,7 +8,8 @@ import sys
 HOST_MODULES = ("jaxserve", "jaxserve.core.scheduler", "jaxserve.core.policies",
                 "jaxserve.core.block_manager",
                 "jaxserve.core.swap_space", "jaxserve.core.sequence",
-                "jaxserve.core.sampling_params", "jaxserve.core.outputs", "jaxserve.core.router",
+                "jaxserve.core.sampling_params", "jaxserve.core.admission", "jaxserve.core.outputs",
+                "jaxserve.core.router",
                 "jaxserve.config",
                 "jaxserve.engine.postprocess", "jaxserve.testing.sim")
 

@@ -11,7 +11,7 @@ import time
 import jsonschema
 import pytest
 
-from jaxserve.serving import anthropic as messages_api
+from jaxserve.serving.openai import messages as messages_api
 from tests.serving.test_hardening import stats, wait_idle, wait_until
 from tests.serving.test_tools import CITY, SCHEMAS, WEATHER
 

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from jaxserve.serving.responses import ResponseStore
+from jaxserve.serving.openai.response_builder import ResponseStore
 from tests.serving.test_tools import ASK, SCHEMAS, TOOLS
 
 openai = pytest.importorskip("openai")

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API over the chat machinery: `input` items turned into chat messages, the
-answer turned into output items (reasoning, a message's text, function calls) and the typed
+"""The parts of OpenAI's Responses API (responses.py): `input` items turned into chat messages,
+the answer turned into output items (reasoning, a message's text, function calls) and the typed
 event stream, and the bounded store that `previous_response_id` reads.
 
 One builder makes both answers: fed the model's text as it comes, it returns the stream's

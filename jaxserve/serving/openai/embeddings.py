@@ -1,6 +1,6 @@
-"""/v1/embeddings: the request's inputs read and checked, and the response built (the HTTP
-front, openai_http.py, queues each input as an embedding request: LLMEngine.add_request with
-`pooling`, batched with generation in the same steps).
+"""POST /v1/embeddings: the request's inputs read and checked, each queued as an embedding
+request (LLMEngine.add_request with `pooling`, batched with generation in the same steps), and
+the response built.
 
 An input is a string, a list of strings, a list of token ids or a list of such lists; each
 gives one vector, the engine's pooling of its final hidden states (`--pooling`), L2-normalized
@@ -11,12 +11,25 @@ unless the body says `"normalize": false`. `encoding_format` "float" gives lists
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 from typing import Any
 
 import numpy as np
+from aiohttp import web
+
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm import normalized
+from jaxserve.serving.openai.errors import ApiError
+from jaxserve.serving.openai.front import Front
+from jaxserve.serving.replicas import ReplicaSet
 
 MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
+
+
+def add_routes(app: web.Application, front: Front) -> None:
+    app.router.add_post("/v1/embeddings", functools.partial(embeddings, front))
 
 
 class EmbeddingsError(ValueError):
@@ -77,3 +90,41 @@ def response(vectors: list[np.ndarray], num_tokens: int, fmt: str, model: str) -
             "data": [{"object": "embedding", "index": i, "embedding": encode(v, fmt)}
                      for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+async def embeddings(front: Front, request: web.Request) -> web.Response:
+    """Each input queued as an embedding request; all answered together, or an error (the
+    others then aborted)."""
+    body = await front.body(request)
+    hidden = front.server.engine.model_config.hidden_size
+    try:
+        items = parse_inputs(body)
+        fmt, normalize = parse_options(body, hidden)
+    except EmbeddingsError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    if not isinstance(front.server.replicas, ReplicaSet):
+        raise ApiError(400, "embeddings are served by an engine in this process only, "
+                            "not through a disaggregated front", param="input")
+    if front.model(body) != front.server.config.model_name:
+        raise ApiError(400, "embeddings come from the base model only, not a LoRA adapter",
+                       param="model")
+    params = SamplingParams(max_tokens=1)  # unused: the engine pools the prompt instead
+    names = {"prompt": "input", "prompt_token_ids": "input"}
+    submitted = []
+    try:
+        for item in items:
+            text, ids = (item, None) if isinstance(item, str) else (None, item)
+            submitted.append(await front.submit(text, ids, params, "embd", names,
+                                                body.get("cache_salt"),
+                                                front.server.engine.config.pooling))
+        outs = await asyncio.gather(*(front.collect(request, eid, stream)
+                                      for eid, stream in submitted))
+    finally:
+        for eid, stream in submitted:
+            front.server.client_left(eid, stream)  # a no-op for those that finished
+    if any(o.embedding is None for o in outs):  # aborted (a shutdown)
+        raise ApiError(503, "the request ended before its embedding", kind="server_error")
+    vectors = [normalized(o.embedding) if normalize else o.embedding for o in outs]
+    return web.json_response(response(
+        vectors, sum(len(o.prompt_token_ids) for o in outs), fmt,
+        front.server.config.model_name))
