@@ -28,27 +28,34 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.kv_layout import KVLayout
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import llm_engine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.runtime.logits_processing import LogitsShape
 from jaxserve.runtime.runner import StepOutput
-from jaxserve.runtime.step_inputs import StepInputs
+from jaxserve.runtime.step_inputs import StepInputs, StepPreparer
 
 PARTS = ("add", "schedule", "build", "launch", "fetch", "postprocess", "detokenize", "outputs")
 
 
-class ZeroCostRunner:
-    """ModelRunner's interface without a model: a step "samples" a token that depends on the
-    row's seed and position, at once, or `device_s` per decode step after the device (a queue
-    of steps) would have started it. A step of several decode steps samples a token per step
-    and row, and stops a row at its limit or a stop id, as runtime/decode_loop.py does."""
+class ZeroCostRunner(StepPreparer):
+    """ModelRunner's interface without a model: its steps are prepared as the runner's are,
+    and a step "samples" a token that depends on the row's seed and position, at once, or
+    `device_s` per decode step after the device (a queue of steps) would have started it. A
+    step of several decode steps samples a token per step and row, and stops a row at its
+    limit or a stop id, as runtime/decode_loop.py does."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, device_s: float = 0.0):
+    def __init__(self, config: EngineConfig, vocab_size: int, num_layers: int,
+                 device_s: float = 0.0):
+        self.config = config
         self.buckets = config.buckets()
+        self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks
         self.num_host_blocks = 0
         self.logits_shape = LogitsShape(vocab_size, config.max_model_len)
+        self.kv_layout = KVLayout.whole(num_layers)
+        self.lora_enabled = False
         self.num_compiles = 0
         # as on an accelerator, whose host loop this stands for
         self.plain_programs = config.plain_programs is not False
@@ -106,7 +113,7 @@ def make_engine(num_running: int, loaded, async_scheduling: bool, device_s: floa
                        max_model_len=MAX_LEN, block_size=16,
                        num_kv_blocks=num_running * (MAX_LEN // 16) // (1 if full_pool else 2),
                        async_scheduling=async_scheduling, decode_steps=decode_steps)
-    runner = ZeroCostRunner(cfg, loaded.config.vocab_size, device_s)
+    runner = ZeroCostRunner(cfg, loaded.config.vocab_size, loaded.config.num_layers, device_s)
     return LLMEngine(cfg, loaded, runner=runner)
 
 
@@ -174,19 +181,17 @@ def _timed_parts(engine: LLMEngine, spent: dict[str, float]):
     for seq in engine.requests.values():  # those added before are timed too
         if seq.detok is not None:
             seq.detok.__class__ = TimedDetokenizer
-    patches = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "dispatch", "launch"),
+    patches = [(engine.scheduler, "schedule", "schedule"),
+               (engine.runner, "prepare_step", "build"), (engine.runner, "dispatch", "launch"),
                (engine.postprocessor, "launched", "launch"),
                (engine.runner, "fetch", "fetch"), (engine.postprocessor, "resolve", "postprocess"),
                (engine, "_output", "outputs"), (engine, "_grouped", "outputs")]
     for obj, name, part in patches:
         setattr(obj, name, timed(part, getattr(obj, name)))
-    build = llm_engine.build_step_inputs
-    llm_engine.build_step_inputs = timed("build", build)
     llm_engine.IncrementalDetokenizer = TimedDetokenizer
     try:
         yield
     finally:
-        llm_engine.build_step_inputs = build
         llm_engine.IncrementalDetokenizer = detok_cls
         for obj, name, _ in patches:
             delattr(obj, name)

@@ -1,10 +1,10 @@
 """LLMEngine: requests in, one continuous-batching step at a time, outputs back.
 
-`step()` is schedule -> (swap) -> launch the compiled forward -> postprocess (engine/postprocess.py:
-append the sampled tokens, detokenize, apply the stop rules, return finished requests' KV blocks
-to the pool at once) -> one RequestOutput per request that produced something. With asynchronous
-scheduling (the default with an accelerator) the postprocess of step N runs after step N+1 is
-launched.
+`step()` is schedule -> (swap) -> the runner prepares and launches the step -> postprocess
+(engine/postprocess.py: append the sampled tokens, detokenize, apply the stop rules, return
+finished requests' KV blocks to the pool at once) -> one RequestOutput per request that
+produced something. With asynchronous scheduling (the default with an accelerator) the
+postprocess of step N runs after step N+1 is launched.
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ from jaxserve.engine.metrics import EngineMetrics, StatLogger
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.models.loader import LoadedModel, load_model
-from jaxserve.runtime.block_tables import table_rows
 from jaxserve.runtime.runner import ModelRunner, RecompileError, StepResult
-from jaxserve.runtime.step_inputs import StepInputs, build_step_inputs
+from jaxserve.runtime.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +144,9 @@ class LLMEngine:
                  if config.speculative_method == "draft_model" else None)
         self.runner = runner or ModelRunner(config, self.loaded, devices, draft,
                                             take_params=take)
-        layout = getattr(self.runner, "kv_layout", None)  # a stand-in runner has none
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching,
-                                          layout.windows if layout else (None,))
+                                          self.runner.kv_layout.windows)
         # speculative decoding (core/speculative.py): the scheduler asks it for proposals
         self.speculator = (Speculator(
             DraftModelProposer(config.num_speculative_tokens) if draft is not None else
@@ -187,8 +185,6 @@ class LLMEngine:
         self.stat_logger = (StatLogger(config.log_stats_interval_s, time.perf_counter)
                             if config.log_stats_interval_s > 0 else None)
         self._in_flight: _Launched | None = None
-        self._tables = table_rows(config.max_step_seqs, self.runner.buckets[2][-1],
-                                  self.block_manager.num_groups)
         # structured output: the tokenizer's grammar form is built at the first use
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self.eos_token_ids)
@@ -199,8 +195,6 @@ class LLMEngine:
         # first token comes back, so no later step may have been launched for it
         self.handover = (Handover(self, config.handover_host) if config.role is not Role.BOTH
                          else None)
-        # every step's rows carry their LoRA slots (a stand-in runner serves none)
-        self._lora_rows = getattr(self.runner, "lora_enabled", False)
         if config.role is Role.PREFILL:
             self.async_scheduling = False
         if self.async_scheduling and self.speculator is not None:
@@ -628,13 +622,7 @@ class LLMEngine:
         with jax.profiler.TraceAnnotation("jaxserve.prepare_inputs"):
             prev = self._in_flight
             try:
-                inp = build_step_inputs(sched.scheduled, self.runner.buckets,
-                                        self.config.block_size, self.runner.num_blocks,
-                                        self.runner.logits_shape, prev.rows if prev else None,
-                                        self.config.spec_tokens, self._tables,
-                                        self.runner.plain_programs, sched.decode_steps,
-                                        self.config.max_num_seqs,
-                                        self.block_manager.num_groups, self._lora_rows)
+                inp = self.runner.prepare_step(sched, prev.rows if prev else None)
             except Exception as e:  # noqa: BLE001 - find whose values broke the step
                 self._fail_culprits(sched.scheduled, e)
                 return None  # nothing was computed: the others are scheduled again next step
@@ -669,11 +657,7 @@ class LLMEngine:
         culprits = []
         for s in scheduled:
             try:
-                build_step_inputs([s], self.runner.buckets, self.config.block_size,
-                                  self.runner.num_blocks, self.runner.logits_shape,
-                                  {s.seq.request_id: 0}, self.config.spec_tokens,
-                                  num_groups=self.block_manager.num_groups,
-                                  lora=self._lora_rows)
+                self.runner.prepare_alone(s)
             except Exception as e:  # noqa: BLE001
                 culprits.append((s, e))
         for s, e in culprits or [(s, error) for s in scheduled]:

@@ -7,7 +7,8 @@ under speculative decoding, per K in {0, num_speculative_tokens} (the proposal s
 the buckets of steps where every sequence decodes have one more, that runs several decode steps
 per call (runtime/decode_loop.py). `warmup()` compiles them all ahead of time, and
 `num_compiles` counts every compile so a test can prove nothing compiles after warmup
-(`strict_compile` turns that into an error).
+(`strict_compile` turns that into an error). The runner prepares each step's inputs from the
+scheduler's output itself (`prepare_step`, runtime/step_inputs.StepPreparer).
 """
 
 from __future__ import annotations
@@ -68,7 +69,13 @@ from jaxserve.runtime.sampling import (
     sample_plain,
 )
 from jaxserve.runtime.speculative import draft_proposals, fill_proposals, verify
-from jaxserve.runtime.step_inputs import Program, StepInputs, dummy_step_inputs, seq_bucket
+from jaxserve.runtime.step_inputs import (
+    Program,
+    StepInputs,
+    StepPreparer,
+    dummy_step_inputs,
+    seq_bucket,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +313,7 @@ class Pooled:
                       jnp.zeros((num_rows, dim), jnp.float32))
 
 
-class ModelRunner:
+class ModelRunner(StepPreparer):
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  devices: list[jax.Device] | None = None, draft: LoadedModel | None = None,
                  deviceless: bool = False, take_params: bool = False):

@@ -1,16 +1,18 @@
-"""StepInputs: one step's device inputs, built on the host as numpy and padded to buckets."""
+"""StepInputs: one step's device inputs, built on the host as numpy and padded to buckets;
+StepPreparer: a runner's building of them from the scheduler's output."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import numpy as np
 
-from jaxserve.core.scheduler import ScheduledSeq, pick_bucket, prompt_rows
+from jaxserve.core.kv_layout import KVLayout
+from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput, pick_bucket, prompt_rows
 from jaxserve.core.sequence import PENDING
 from jaxserve.kernels.attention.metadata import AttentionMetadata
 from jaxserve.runtime import decode_loop, logits_processing
@@ -19,6 +21,9 @@ from jaxserve.runtime.decode_loop import DecodeLoopInputs
 from jaxserve.runtime.logits_processing import LogitsInputs, LogitsShape
 from jaxserve.runtime.sampling import SamplingInputs
 from jaxserve.runtime.speculative import SpecInputs
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
 
 
 class Program(NamedTuple):
@@ -237,6 +242,48 @@ def build_step_inputs(
                 else None),
         lora_slots=lora_slots,
     )
+
+
+class StepPreparer:
+    """A runner prepares its own steps: the engine hands over the scheduler's output (and the
+    rows of the step in flight) and gets the step's inputs, built from the runner's buckets,
+    pool and logits shape and the rows it keeps between steps. A runner (ModelRunner, the
+    host-overhead bench's stand-in) mixes it in and sets the attributes below; its `buckets`
+    change if its attention falls back, so each step reads them afresh."""
+
+    config: EngineConfig  # spec_tokens (K), max_num_seqs (the decode slots), max_step_seqs
+    buckets: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    block_size: int
+    num_blocks: int
+    logits_shape: LogitsShape
+    kv_layout: KVLayout  # its layer groups: a block table per group
+    plain_programs: bool  # it has plain programs (StepInputs.plain)
+    lora_enabled: bool  # it serves adapters: rows that run one carry their LoRA slots
+
+    @functools.cached_property
+    def step_rows(self) -> BlockTableRows | GroupTableRows:
+        """The block tables and sampling constants kept between steps (block_tables.py)."""
+        return table_rows(self.config.max_step_seqs, self.buckets[2][-1],
+                          self.kv_layout.num_groups)
+
+    def prepare_step(self, sched: SchedulerOutput,
+                     prev_rows: Mapping[str, int] | None = None) -> StepInputs:
+        """The device inputs of the step `sched` schedules. `prev_rows`: request id -> its
+        row in the step still in flight, for sequences whose input token that step is
+        sampling (asynchronous scheduling)."""
+        return build_step_inputs(sched.scheduled, self.buckets, self.block_size,
+                                 self.num_blocks, self.logits_shape, prev_rows,
+                                 self.config.spec_tokens, self.step_rows, self.plain_programs,
+                                 sched.decode_steps, self.config.max_num_seqs,
+                                 self.kv_layout.num_groups, self.lora_enabled)
+
+    def prepare_alone(self, s: ScheduledSeq) -> StepInputs:
+        """`s` as a step of its own, on rows of its own (a pending input token read from row
+        0): after a step failed to build, whether `s`'s values fail it on their own."""
+        return build_step_inputs([s], self.buckets, self.block_size, self.num_blocks,
+                                 self.logits_shape, {s.seq.request_id: 0},
+                                 self.config.spec_tokens, num_groups=self.kv_layout.num_groups,
+                                 lora=self.lora_enabled)
 
 
 def empty_spec_inputs(s: int, k: int, mask_words: int) -> SpecInputs:

@@ -28,6 +28,7 @@ def test_bench_times_every_part(smollm):
     r = bench(8, 6, smollm, warm_steps=2)
     assert set(r["p50"]) == {*PARTS, "step", "idle"}
     assert r["tokens_per_step"] > 0 and r["p50"]["step"] > 0
+    assert r["p50"]["build"] > 0  # the runner's step preparation, timed where it runs
     # detokenizing is part of postprocessing, step by step
     assert r["p50"]["detokenize"] <= r["p50"]["postprocess"]
 

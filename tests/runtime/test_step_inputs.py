@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.core.scheduler import ScheduledSeq
-from jaxserve.core.sequence import Sequence
+from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.core.sequence import PENDING, Sequence
 from jaxserve.engine.logits_state import LogitsState
+from jaxserve.models.loader import load_model
 from jaxserve.runtime.logits_processing import LogitsShape
+from jaxserve.runtime.runner import ModelRunner
 from jaxserve.runtime.step_inputs import (
     build_step_inputs,
     dummy_step_inputs,
@@ -135,3 +138,59 @@ def test_layer_groups_give_a_table_and_a_slot_per_group():
     dummy = dummy_step_inputs(8, 4, 2, BLOCK, POOL, SHAPE, num_groups=2)
     assert dummy.attn.block_tables.shape == (2, 4, 2) and dummy.attn.slot_mapping.shape == (2, 8)
     assert dummy.bucket == (8, 4, 2)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir):
+    config = EngineConfig(model=tiny_llama_dir, max_num_seqs=4, max_num_batched_tokens=16,
+                          max_model_len=64, num_kv_blocks=32, block_size=BLOCK, decode_steps=4,
+                          swap_space_bytes=0).on_platform("cpu")
+    return ModelRunner(config, load_model(tiny_llama_dir))
+
+
+def test_the_runner_prepares_its_step_from_the_schedulers_output(runner):
+    """The step takes the runner's buckets, pool and rows kept between steps; a decode whose
+    token is still on the device reads the in-flight step's row; every step is one of the
+    programs warmup compiles."""
+    a = seq("a", [11, 12, 13, 14, 15, 16], blocks=[3, 9], temperature=0)
+    b = seq("b", [21, 22, 23, 24, 25, 26], blocks=[5, 2], computed=6, temperature=0.5)
+    b.output_token_ids.append(PENDING)  # sampled by the step still in flight, at its row 2
+    inp = runner.prepare_step(SchedulerOutput([ScheduledSeq.of(a, 5), ScheduledSeq.of(b, 1)]),
+                              {"b": 2})
+    np.testing.assert_array_equal(inp.input_ids[:6], [11, 12, 13, 14, 15, 0])
+    np.testing.assert_array_equal(inp.prev_rows[:7], [-1, -1, -1, -1, -1, 2, -1])
+    assert (inp.attn.slot_mapping[6:] == runner.num_blocks * BLOCK).all()
+    np.testing.assert_allclose(inp.sampling.temperature[:2], [0, 0.5])
+    assert inp.decode is None and inp.program in runner.all_programs()
+
+    rows = runner.step_rows
+    b.output_token_ids[-1] = 27
+    b.block_table.append(7)  # grown in place: the kept row copies the new entry
+    c = seq("c", [1, 2, 3], out=[4], blocks=[6], computed=3, temperature=0)
+    loop = SchedulerOutput([ScheduledSeq.of(b, 1), ScheduledSeq.of(c, 1)], decode_steps=4)
+    inp = runner.prepare_step(loop)
+    assert runner.step_rows is rows
+    np.testing.assert_array_equal(inp.input_ids[:2], [27, 4])
+    np.testing.assert_array_equal(inp.attn.block_tables[:2, :3], [[5, 2, 7], [6, 0, 0]])
+    assert inp.decode.num_steps == 4 and inp.program in runner.all_programs()
+
+
+def test_a_sequence_alone_is_prepared_on_rows_of_its_own(runner):
+    """After a step fails to build, each sequence is tried alone: one whose value does not fit
+    the step's arrays fails on its own, and the rows kept for the steps are not touched."""
+    good = seq("good", [1, 2, 3], out=[4], blocks=[1], computed=3, temperature=0)
+    bad = seq("bad", [1, 2, 3], out=[4], blocks=[2], computed=3, temperature=0.5,
+              top_k=2**40)
+    other = seq("other", [1, 2, 3], out=[4], blocks=[8, 9], computed=3, temperature=0)
+    runner.prepare_step(SchedulerOutput([ScheduledSeq.of(other, 1)]))
+    with pytest.raises(OverflowError):
+        runner.prepare_step(SchedulerOutput([ScheduledSeq.of(good, 1), ScheduledSeq.of(bad, 1)]))
+    kept = runner.step_rows.rows.copy()
+    assert [8, 9] in kept[:, :2].tolist()
+    assert runner.prepare_alone(ScheduledSeq.of(good, 1)).input_ids[0] == 4
+    with pytest.raises(OverflowError):
+        runner.prepare_alone(ScheduledSeq.of(bad, 1))
+    good.output_token_ids.append(PENDING)  # alone, a pending token reads row 0
+    alone = runner.prepare_alone(ScheduledSeq(good, 4, 1, True, False))
+    assert alone.prev_rows[0] == 0 and alone.bucket[1] == 1
+    np.testing.assert_array_equal(runner.step_rows.rows, kept)
