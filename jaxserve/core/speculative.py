@@ -178,7 +178,7 @@ class AdaptivePolicy:
         self.step_time: dict[int, float] = {}  # token bucket -> median of decode steps
         self.verify_time: dict[int, float] = {}  # ... of decode steps that verified proposals
         self.mixed_time: dict[int, float] = {}  # ... of steps that also prefilled
-        self._times: dict[tuple[int, int], _Times] = {}  # (table, bucket) -> its samples
+        self._times: dict[tuple[str, int], _Times] = {}  # (table, bucket) -> its samples
         self.num_steps = 0
         self.num_explored = 0  # steps that verified proposals the estimates declined
         self._credit = 1.0  # explorations allowed now; one more every EXPLORE_EVERY steps
@@ -194,11 +194,10 @@ class AdaptivePolicy:
         in for a bucket no decode step has measured."""
         self.num_steps += 1
         self._credit = min(1.0, self._credit + 1 / EXPLORE_EVERY)
-        table = (self.mixed_time if not decode_only
-                 else self.verify_time if verified else self.step_time)
+        kind = "mixed" if not decode_only else "verify" if verified else "step"
         b = self.bucket(num_tokens)
-        times = self._times.setdefault((id(table), b), _Times())
-        table[b] = times.add(seconds, self.num_steps)
+        times = self._times.setdefault((kind, b), _Times())
+        getattr(self, f"{kind}_time")[b] = times.add(seconds, self.num_steps)
 
     def record_row(self, seq, proposed: int, accepted: int) -> None:
         """A sequence verified `proposed` tokens and accepted the first `accepted`."""
@@ -231,7 +230,7 @@ class AdaptivePolicy:
                 or self.num_steps - own.last_step > STALE_STEPS)
 
     def cost_is_unsure(self, tokens: int) -> bool:
-        times = self._times.get((id(self.verify_time), self.bucket(tokens)))
+        times = self._times.get(("verify", self.bucket(tokens)))
         return (times is None or times.num < MIN_SAMPLES
                 or self.num_steps - times.last_step > STALE_STEPS)
 
