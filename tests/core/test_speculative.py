@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sequence import Sequence
-from jaxserve.core.speculative import AdaptivePolicy, NgramProposer, Speculator
+from jaxserve.core.speculative import (
+    STALE_STEPS,
+    AdaptivePolicy,
+    NgramProposer,
+    Speculator,
+)
 
 BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 
@@ -163,6 +168,9 @@ def test_each_sequence_keeps_its_own_acceptance_seeded_from_the_engine_wide_rate
     policy.verify_time = {8: 0.013, 16: 0.030}
     rates = [policy.acceptance_of(s) for s in (copying, other, other, other)]
     assert policy.choose([(4, a) for a in rates], 4, 64, 4) == ([0], 4)
+    for _ in range(STALE_STEPS + 1):  # not verified for a while: unsure again, to explore
+        policy.record_step(4, 0.010)
+    assert policy.is_unsure(copying)
 
 
 def test_exploration_is_bounded_and_refreshes_what_the_policy_declines():
