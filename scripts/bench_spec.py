@@ -130,7 +130,8 @@ def main() -> None:
                 print(f"{'':>16}policy: acceptance {policy.acceptance:.2f}; step ms by token "
                       f"bucket, decode-only {table(policy.step_time)}; verifying "
                       f"{table(policy.verify_time)}; with prefill "
-                      f"{table(policy.mixed_time)}", flush=True)
+                      f"{table(policy.mixed_time)}; steps explored {policy.num_explored}",
+                      flush=True)
         del engine
         gc.collect()  # its programs' memory (and memory maps) go before the next compiles
     print("\nconcurrency  " + "  ".join(f"{n:>22}" for n in configs))

@@ -24,6 +24,7 @@ import argparse
 import collections
 import contextlib
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,10 +45,15 @@ class ZeroCostRunner(StepPreparer):
     and a step "samples" a token that depends on the row's seed and position, at once, or
     `device_s` per decode step after the device (a queue of steps) would have started it. A
     step of several decode steps samples a token per step and row, and stops a row at its
-    limit or a stop id, as runtime/decode_loop.py does."""
+    limit or a stop id, as runtime/decode_loop.py does. A step that verifies proposals
+    (speculative decoding) accepts each row's proposals while they are the tokens it would
+    sample, and costs `verify_s` more, plus `draft_s` per proposed token. `tokens`: (seeds
+    (S, 1), positions (S, K)) -> the token sampled after each position (by default a hash of
+    the two)."""
 
     def __init__(self, config: EngineConfig, vocab_size: int, num_layers: int,
-                 device_s: float = 0.0):
+                 device_s: float = 0.0, verify_s: float = 0.0, draft_s: float = 0.0,
+                 tokens: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None):
         self.config = config
         self.buckets = config.buckets()
         self.block_size = config.block_size
@@ -60,27 +66,40 @@ class ZeroCostRunner(StepPreparer):
         # as on an accelerator, whose host loop this stands for
         self.plain_programs = config.plain_programs is not False
         self.vocab_size = vocab_size
-        self.device_s = device_s
+        self.device_s, self.verify_s, self.draft_s = device_s, verify_s, draft_s
+        self.tokens = tokens or (lambda seeds, pos: (pos * 7919 + seeds) % vocab_size)
         self._device_free = 0.0  # when the last launched step ends
         # per launch: how long the device sat idle before it (0 while steps queue up)
         self.idle: list[float] = []
 
     def dispatch(self, inp: StepInputs) -> tuple[StepOutput, float]:
-        loop = inp.decode
+        loop, spec = inp.decode, inp.spec
         k = 1 if loop is None else loop.num_steps
-        pos = inp.attn.positions[inp.logits_indices].astype(np.int64)[:, None] + np.arange(k)
-        tokens = ((pos * 7919 + inp.sampling.seeds[:, None]) % self.vocab_size).astype(np.int32)
-        if loop is None:
+        seeds = inp.sampling.seeds[:, None].astype(np.int64)
+        num_drafts, kk = spec.num_drafts, spec.draft_tokens.shape[1]
+        # a verifying row's positions: its last token's, then each proposal's
+        first = inp.logits_indices if not kk else spec.verify_rows[:, 0]
+        pos = (inp.attn.positions[first].astype(np.int64)[:, None]
+               + np.arange(k if not kk else kk + 1))
+        tokens = self.tokens(seeds, pos).astype(np.int32)
+        extra = 0.0
+        if kk:  # a row keeps its proposals up to the first that is not the token it samples
+            agree = (spec.draft_tokens == tokens[:, :-1]) & (np.arange(kk) < num_drafts[:, None])
+            accepted = np.where(agree.all(axis=1), kk, agree.argmin(axis=1))
+            counts = np.where(inp.sampling.samples, accepted + 1, 0).astype(np.int32)
+            extra = self.verify_s + self.draft_s * int(num_drafts.sum())
+        elif loop is None:
             counts = inp.sampling.samples.astype(np.int32)
         else:  # up to its limit, or its first stop id
             stops = (tokens[:, :, None] == loop.stop_ids[:, None, :]).any(axis=2)  # (S, K)
             first = np.where(stops.any(axis=1), stops.argmax(axis=1) + 1, k)
             counts = np.minimum(loop.limit, first).astype(np.int32)
-        steps = int(counts.max(initial=1))  # the loop ends when every row has stopped
+        # the loop ends when every row has stopped; a verifying step is one step
+        steps = 1 if kk else int(counts.max(initial=1))
         now = time.perf_counter()
         if self._device_free:
             self.idle.append(max(0.0, now - self._device_free))
-        done = max(now, self._device_free) + self.device_s * steps
+        done = max(now, self._device_free) + self.device_s * steps + extra
         self._device_free = done
         return StepOutput(tokens, counts), done
 

@@ -34,7 +34,8 @@ class Sequence:
                  "metrics", "num_pending", "block_hashes", "num_cached_blocks", "cache_salt",
                  "logits_state", "waits_for", "prompt_logprobs", "prompt_logprobs_next",
                  "stop_ids", "samples_plainly", "needs_history", "pooling", "pooled",
-                 "group_tables", "num_dropped", "lora_id", "lora_key", "lora_slot")
+                 "group_tables", "num_dropped", "lora_id", "lora_key", "lora_slot",
+                 "speculation")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, seed: int, priority: int = 0,
@@ -93,6 +94,8 @@ class Sequence:
         # A sibling (parallel sampling, n > 1) whose prompt this one reads from the prefix
         # cache: it is admitted once that sibling's prompt is computed.
         self.waits_for: Sequence | None = None
+        # Its own record of how its proposals fared (core/speculative.py), once one verified.
+        self.speculation = None
         self.metrics = RequestMetrics(
             request_id, time.perf_counter() if arrival_time is None else arrival_time,
             len(self.prompt_token_ids))

@@ -14,29 +14,39 @@ inside the step (runtime/speculative.py), so the host only reserves the rows: th
 returns k placeholder tokens that the step replaces with the draft's.
 
 **Load-adaptive k.** A step's time is that of its program, chosen by its padded token count
-and whether it verifies: the policy keeps a running mean of each token bucket's decode step
-time, apart for steps that verify, measured by the engine itself. With B speculating
-sequences, k proposed tokens each and a per-token acceptance rate a (a running mean), the step
-yields B * (a + ... + a^k) tokens more than without proposals, and costs
-est_verify(rows + B * k) - est(rows) more. An accepted token is worth what a token costs when
-every decoding sequence makes one per step, est(D) / D for D decodes: it is one the sequences
-will not have to make later. Each step takes the k in [1, num_speculative_tokens] (within the
-step's token budget) with the largest worth minus cost, if its worth beats its cost by 10%
-(else 0). That k assumes every speculating sequence proposes k tokens; the n-gram proposer
-finds fewer (a context without a match proposes nothing), so the proposals made are priced
-again by the same sums over their own lengths, and cut shorter or dropped where the fewer
-tokens no longer pay for the larger program. Marginal, not per-step rates: a step that also
-carries prompt tokens is slow for them, which must not make its extra rows look cheap.
+and whether it verifies: the policy keeps each token bucket's recent decode step times, apart
+for steps that verify, measured by the engine itself; a bucket's time is their median, and a
+program's first run (it pays for loading the program) counts only until a second one comes.
+Each sequence keeps its own acceptance rate a (per proposed token that is tried: a row that
+accepts m of n proposals tried m + 1 of them, m if it accepted all), its counts fading with
+each verification and seeded from the engine-wide rate, so one request that copies its input
+is not averaged away by others that do not. A sequence proposing n tokens with rate a adds
+a + ... + a^n tokens to the step. An accepted token is worth what a token costs when every
+decoding sequence makes one per step, est(D) / D for D decodes: it is one the sequences will
+not have to make later. The extra rows cost est_verify(base + rows) - est(base) more. The step
+takes, over the cut k (each proposal shortened to at most k) and the sequences ranked by
+their worth per row, the choice with the largest worth minus cost, if its worth beats its cost
+by 10% (else none). It is priced first on proposals of the most tokens for every sequence, to
+skip proposing when even that does not pay, then on the proposals made. Marginal, not
+per-step rates: a step that also carries prompt tokens is slow for them, which must not make
+its extra rows look cheap.
+
+**Exploring.** Estimates the policy declines to act on would never change: a sequence that has
+verified fewer than twice or not for a while, or a verifying bucket measured fewer than three
+times or not for a while, is unsure. A step that declines an unsure sequence's proposal may
+verify it anyway (and, when every proposal is declined and the cheapest verifying bucket is
+unsure, the most promising one), within at most the step's own rows more; such steps take a
+credit that comes back at one per 32 steps, so at most about 3% of the steps explore.
 
 est(tokens) is the bucket's measured decode-step time; between and past measured buckets, the
 line through the nearest two; with fewer than two measured, the time of steps that also
 prefilled, else a cost in proportion to the tokens (as a compute-bound device would pay).
 est_verify(tokens) is the bucket's measured verifying-step time, else est(tokens) times the
 mean ratio of the two where both are measured (a verifying program computes logits for every
-query row, not one per sequence). At low
-load a step's time is mostly streaming the weights, larger buckets cost little more, and k goes
-up; when the batch is compute-bound extra rows cost what the tokens they save would, and k drops
-to 0.
+query row, not one per sequence), and no less than a smaller verifying bucket measured. At low
+load a step's time is mostly streaming the weights, larger buckets cost little more, and
+sequences speculate; when the batch is compute-bound extra rows cost what the tokens they save
+would, and k drops to 0.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import statistics
 
 import numpy as np
 
@@ -109,23 +120,68 @@ class SpecStats:
         return (self.num_accepted + rows) / rows if rows else 0.0
 
 
+WINDOW = 8  # recent step times a bucket keeps; their median is its time
+MIN_SAMPLES = 3  # a verifying bucket measured fewer times is unsure
+STALE_STEPS = 256  # data not refreshed for this many steps is unsure
+EXPLORE_EVERY = 32  # steps per exploration credit
+PRIOR_WEIGHT = 2.0  # tried proposals the engine-wide rate counts for in a sequence's own
+SEQ_DECAY = 0.8  # a sequence's counts fade by this at each of its verifications
+GLOBAL_DECAY = 0.98  # the engine-wide counts, at each verifying row
+
+
+class _Times:
+    """A bucket's recent step times, the first (a cold run) dropped once another came."""
+
+    __slots__ = ("samples", "num", "last_step")
+
+    def __init__(self):
+        self.samples: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.num = 0
+        self.last_step = 0
+
+    def add(self, seconds: float, step: int) -> float:
+        if self.num == 1:
+            self.samples.clear()
+        self.samples.append(seconds)
+        self.num += 1
+        self.last_step = step
+        return statistics.median(self.samples)
+
+
+@dataclasses.dataclass(slots=True)
+class SeqAcceptance:
+    """One sequence's record of its proposals: fading counts of accepted and tried ones."""
+
+    accepted: float = 0.0
+    tried: float = 0.0
+    num_verified: int = 0
+    last_step: int = 0  # the policy's step count at its last verification
+
+
 class AdaptivePolicy:
-    """Chooses each step's k from the batch size, the token budget, the measured acceptance
-    rate and the measured time of each token bucket (see the module docstring)."""
+    """Chooses which sequences speculate each step and their k, from the token budget, each
+    sequence's acceptance rate and the measured time of each token bucket (see the module
+    docstring)."""
 
     def __init__(self, max_k: int, token_buckets: tuple[int, ...], adaptive: bool = True,
-                 smoothing: float = 0.2, margin: float = 1.1):
+                 margin: float = 1.1):
         self.max_k = max_k
-        # a k > 0's tokens must be worth this much more than its extra time: the estimates are
-        # noisy, and proposing and verifying cost host work the estimate does not hold
+        # a choice's tokens must be worth this much more than its extra time: the estimates
+        # are noisy, and proposing and verifying cost host work the estimate does not hold
         self.margin = margin
         self.buckets = tuple(sorted(token_buckets))
+        self._bucket_arr = np.asarray(self.buckets)
         self.adaptive = adaptive
-        self.smoothing = smoothing
-        self.acceptance = 0.5  # per proposed token, a running mean; a neutral start
-        self.step_time: dict[int, float] = {}  # token bucket -> running mean of decode steps
+        # engine-wide rate per tried proposal, what a sequence's own starts from; neutral
+        self.acceptance = 0.5
+        self._accepted = self._tried = 0.0
+        self.step_time: dict[int, float] = {}  # token bucket -> median of decode steps
         self.verify_time: dict[int, float] = {}  # ... of decode steps that verified proposals
         self.mixed_time: dict[int, float] = {}  # ... of steps that also prefilled
+        self._times: dict[tuple[str, int], _Times] = {}  # (table, bucket) -> its samples
+        self.num_steps = 0
+        self.num_explored = 0  # steps that verified proposals the estimates declined
+        self._credit = 1.0  # explorations allowed now; one more every EXPLORE_EVERY steps
 
     def bucket(self, tokens: int) -> int:
         i = bisect.bisect_left(self.buckets, tokens)
@@ -136,16 +192,54 @@ class AdaptivePolicy:
         """A step's time (its program is chosen by its padded token count and whether it
         verifies). Decode steps are what k is chosen for; steps that also prefill only stand
         in for a bucket no decode step has measured."""
-        table = (self.mixed_time if not decode_only
-                 else self.verify_time if verified else self.step_time)
+        self.num_steps += 1
+        self._credit = min(1.0, self._credit + 1 / EXPLORE_EVERY)
+        kind = "mixed" if not decode_only else "verify" if verified else "step"
         b = self.bucket(num_tokens)
-        old = table.get(b)
-        table[b] = seconds if old is None else old + self.smoothing * (seconds - old)
+        times = self._times.setdefault((kind, b), _Times())
+        getattr(self, f"{kind}_time")[b] = times.add(seconds, self.num_steps)
 
-    def record_acceptance(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            w = min(1.0, proposed / 64)  # a step's evidence, weighted by its size
-            self.acceptance += w * (accepted / proposed - self.acceptance)
+    def record_row(self, seq, proposed: int, accepted: int) -> None:
+        """A sequence verified `proposed` tokens and accepted the first `accepted`."""
+        if not proposed:
+            return
+        tried = accepted + (accepted < proposed)  # the rejection that ended the row
+        self._accepted = self._accepted * GLOBAL_DECAY + accepted
+        self._tried = self._tried * GLOBAL_DECAY + tried
+        self.acceptance = (self._accepted + 1.0) / (self._tried + 2.0)
+        own = seq.speculation
+        if own is None:
+            own = seq.speculation = SeqAcceptance()
+        own.accepted = own.accepted * SEQ_DECAY + accepted
+        own.tried = own.tried * SEQ_DECAY + tried
+        own.num_verified += 1
+        own.last_step = self.num_steps
+
+    def acceptance_of(self, seq) -> float:
+        """`seq`'s rate per tried proposal: its own counts, plus PRIOR_WEIGHT tries at the
+        engine-wide rate."""
+        own = seq.speculation
+        if own is None:
+            return self.acceptance
+        return ((own.accepted + PRIOR_WEIGHT * self.acceptance)
+                / (own.tried + PRIOR_WEIGHT))
+
+    def is_unsure(self, seq) -> bool:
+        own = seq.speculation
+        return (own is None or own.num_verified < 2
+                or self.num_steps - own.last_step > STALE_STEPS)
+
+    def cost_is_unsure(self, tokens: int) -> bool:
+        times = self._times.get(("verify", self.bucket(tokens)))
+        return (times is None or times.num < MIN_SAMPLES
+                or self.num_steps - times.last_step > STALE_STEPS)
+
+    def may_explore(self) -> bool:
+        return self.adaptive and self._credit >= 1.0
+
+    def explored(self) -> None:
+        self._credit -= 1.0
+        self.num_explored += 1
 
     def estimate(self, tokens: int) -> float:
         """The expected time of a plain step of `tokens` (see the module docstring); 0 when
@@ -172,51 +266,66 @@ class AdaptivePolicy:
         """The expected time of a decode step of `tokens` that verifies proposals: measured
         for its bucket, else the plain estimate times the verifying programs' measured
         overhead (their logits and verification), the mean ratio over buckets measured both
-        ways (1 until then)."""
+        ways (1 until then), and no less than a smaller verifying bucket measured."""
         b = self.bucket(tokens)
         if b in self.verify_time:
             return self.verify_time[b]
         both = [x for x in self.verify_time if x in self.step_time and self.step_time[x] > 0]
         ratio = (sum(self.verify_time[x] / self.step_time[x] for x in both) / len(both)
                  if both else 1.0)
-        return self.estimate(tokens) * max(ratio, 1.0)
+        below = [t for x, t in self.verify_time.items() if x < b]  # a larger one costs no less
+        return max([self.estimate(tokens) * max(ratio, 1.0), *below])
 
-    def choose_k(self, num_seqs: int, other_tokens: int, budget: int,
-                 num_decodes: int | None = None) -> int:
-        """k for each of `num_seqs` speculating sequences in a step whose other rows hold
-        `other_tokens` tokens, with `budget` tokens in all; `num_decodes`: the decoding
-        sequences (default `num_seqs`), whose plain step prices a token."""
-        if num_seqs <= 0:
-            return 0
-        room = (budget - other_tokens - num_seqs) // num_seqs
-        top = max(0, min(self.max_k, room))
-        return self.best_cut({top: num_seqs}, other_tokens + num_seqs, num_decodes or num_seqs)
-
-    def best_cut(self, lengths: dict[int, int], base: int, num_decodes: int) -> int:
-        """The most proposed tokens a sequence keeps, for proposals of `lengths` (proposal
-        length -> sequences that propose that many) in a step of `base` tokens without them:
-        the cut k (each proposal shortened to at most k) with the largest worth minus cost, if
-        its worth beats its cost by the margin; else 0 (see the module docstring). Not
-        adaptive: no cut."""
-        top = max((n for n, count in lengths.items() if count), default=0)
+    def choose(self, proposals: list[tuple[int, float]], base: int, budget: int,
+               num_decodes: int) -> tuple[list[int], int]:
+        """Which of `proposals` ((length, acceptance rate) per sequence) to verify in a step
+        of `base` tokens without them, `budget` in all, and the cut k: the indices (ascending)
+        and k, or ([], 0) when nothing pays by the margin (see the module docstring). Not
+        adaptive: every proposal, uncut."""
+        top = max((n for n, _ in proposals), default=0)
         if not self.adaptive or top == 0:
-            return top
-        a = min(max(self.acceptance, 0.0), 0.99)
+            return [i for i, (n, _) in enumerate(proposals) if n], top
+        lengths = np.array([n for n, _ in proposals])
+        a = np.clip(np.array([r for _, r in proposals], dtype=np.float64), 0.0, 0.99)
         decodes = max(num_decodes, 1)
         worth = self.estimate(decodes) / decodes  # of one token
         t0 = self.estimate(base)
+        best_net, best, best_k = 0.0, np.empty(0, np.int64), 0
+        for k in range(top, 0, -1):  # on ties (rows free within a bucket) the larger k
+            rows = np.minimum(lengths, k)
+            gain = (a - a ** (rows + 1)) / (1 - a)  # a + ... + a^rows
+            live = np.flatnonzero((rows > 0) & (gain > 0))
+            order = live[np.argsort(-gain[live] / rows[live], kind="stable")]
+            total_rows = np.cumsum(rows[order])
+            total_gain = np.cumsum(gain[order])
+            fits = int(np.searchsorted(total_rows, budget - base, side="right"))
+            if not fits:
+                continue
+            # within a bucket more rows cost no more: the longest choice in each bucket
+            at = np.searchsorted(self._bucket_arr, base + total_rows[:fits])
+            for end in np.flatnonzero(np.diff(at, append=at[-1] + 1)):
+                saved = total_gain[end] * worth
+                cost = max(0.0, self.estimate_verifying(base + int(total_rows[end])) - t0)
+                if saved > self.margin * cost and saved - cost > best_net:
+                    best_net, best, best_k = saved - cost, order[:end + 1], k
+        return sorted(best.tolist()), best_k
 
-        gains = {}  # k -> (worth of the extra tokens, extra time)
-        for k in range(top, 0, -1):
-            cut = [(min(n, k), count) for n, count in lengths.items()]
-            # a + ... + a^n for each sequence proposing n
-            extra = sum(count * (a - a ** (n + 1)) / (1 - a) for n, count in cut)
-            rows = sum(n * count for n, count in cut)
-            gains[k] = extra * worth, max(0.0, self.estimate_verifying(base + rows) - t0)
-        # on ties (rows free within the bucket) the larger k, which gains more tokens
-        best = max(gains, key=lambda k: gains[k][0] - gains[k][1])
-        saved, cost = gains[best]
-        return best if saved > 0 and saved > self.margin * cost else 0
+    def choose_k(self, num_seqs: int, other_tokens: int, budget: int,
+                 num_decodes: int | None = None) -> int:
+        """The cut k for `num_seqs` sequences at the engine-wide rate, each proposing as many
+        tokens as the budget leaves room for, in a step whose other rows hold `other_tokens`
+        tokens; `num_decodes`: the decoding sequences (default `num_seqs`)."""
+        if num_seqs <= 0:
+            return 0
+        base = other_tokens + num_seqs
+        top = max(0, min(self.max_k, (budget - base) // num_seqs))
+        _, k = self.choose([(top, self.acceptance)] * num_seqs, base, budget,
+                           num_decodes or num_seqs)
+        return k
+
+
+def _last_verified(seq) -> int:
+    return -1 if seq.speculation is None else seq.speculation.last_step
 
 
 class Speculator:
@@ -242,11 +351,37 @@ class Speculator:
     def plan(self, seqs: list, other_tokens: int, budget: int, max_model_len: int,
              num_decodes: int | None = None) -> dict[str, list[int]]:
         """request id -> proposed tokens, for the eligible `seqs` that get a proposal."""
-        k = self.policy.choose_k(len(seqs), other_tokens, budget, num_decodes)
-        if k == 0:
+        policy = self.policy
+        if not seqs:
             return {}
-        plans = {}
-        for seq in seqs:
+        base = other_tokens + len(seqs)
+        decodes = num_decodes or len(seqs)
+        if not policy.adaptive:  # every sequence, as many as the budget leaves room for
+            top = max(0, min(policy.max_k, (budget - base) // len(seqs)))
+            return {seqs[i].request_id: d for i, d in self._propose(seqs, top, max_model_len)}
+        top = max(0, min(policy.max_k, budget - base))
+        if top == 0:
+            return {}
+        rates = [policy.acceptance_of(s) for s in seqs]
+        explore = policy.may_explore() and (any(map(policy.is_unsure, seqs))
+                                            or policy.cost_is_unsure(base + top))
+        if not explore and not policy.choose([(top, a) for a in rates], base, budget,
+                                             decodes)[0]:
+            return {}  # not even the most tokens from every sequence would pay
+        found = self._propose(seqs, top, max_model_len)
+        chosen, cut = policy.choose([(len(d), rates[i]) for i, d in found], base, budget,
+                                    decodes)
+        plans = {found[j][0]: found[j][1][:cut] for j in chosen}
+        if explore and len(plans) < len(found):
+            self._explore(seqs, found, plans, rates, base, budget)
+        return {seqs[i].request_id: d for i, d in plans.items()}
+
+    def _propose(self, seqs: list, k: int, max_model_len: int) -> list[tuple[int, list[int]]]:
+        """(index in `seqs`, proposal) of each sequence that proposes up to `k` tokens."""
+        if k <= 0:
+            return []
+        found = []
+        for i, seq in enumerate(seqs):
             # no more tokens than the request may still produce, nor positions past the end
             room = min(k, seq.params.max_tokens - seq.num_sampled - 1,
                        max_model_len - seq.num_tokens)
@@ -256,19 +391,43 @@ class Speculator:
                 self.stats.num_cut_by_grammar += len(drafts) - valid
                 drafts = drafts[:valid]
             if drafts:
-                plans[seq.request_id] = drafts
-        # k assumed every sequence proposes k tokens; priced again on those it found
-        lengths = collections.Counter(len(d) for d in plans.values())
-        if lengths == {k: len(seqs)}:  # as assumed: the same price
-            return plans
-        cut = self.policy.best_cut(lengths, other_tokens + len(seqs), num_decodes or len(seqs))
-        return {rid: drafts[:cut] for rid, drafts in plans.items()} if cut else {}
+                found.append((i, drafts))
+        return found
 
-    def record(self, proposed: int, accepted: int, rows: int) -> None:
-        """A step's verification: `rows` sequences proposed `proposed` tokens in all."""
-        if rows:
-            self.stats.num_proposed += proposed
-            self.stats.num_accepted += accepted
-            self.stats.num_spec_steps += 1
-            self.stats.num_spec_rows += rows
-            self.policy.record_acceptance(proposed, accepted)
+    def _explore(self, seqs: list, found: list[tuple[int, list[int]]],
+                 plans: dict[int, list[int]], rates: list[float], base: int,
+                 budget: int) -> None:
+        """Add to `plans` declined proposals whose estimates are unsure (see the module
+        docstring), least recently verified first, within the step's own rows more."""
+        policy = self.policy
+        declined = [(i, d) for i, d in found if i not in plans]
+        picks = sorted(((i, d) for i, d in declined if policy.is_unsure(seqs[i])),
+                       key=lambda p: _last_verified(seqs[p[0]]))
+        if not picks and not plans:  # the cheapest verifying step, if its time is unsure
+            i, d = max(declined, key=lambda p: rates[p[0]])
+            if policy.cost_is_unsure(base + len(d)):
+                picks = [(i, d)]
+        rows = sum(map(len, plans.values()))
+        room = min(budget - base, rows + max(base, policy.max_k))
+        added = False
+        for i, d in picks:
+            d = d[:room - rows]
+            if not d:
+                break
+            plans[i] = d
+            rows += len(d)
+            added = True
+        if added:
+            policy.explored()
+
+    def record(self, rows: list[tuple]) -> None:
+        """A step's verification: (sequence, tokens it proposed, tokens accepted) per row."""
+        if not rows:
+            return
+        st = self.stats
+        st.num_spec_steps += 1
+        st.num_spec_rows += len(rows)
+        for seq, proposed, accepted in rows:
+            st.num_proposed += proposed
+            st.num_accepted += accepted
+            self.policy.record_row(seq, proposed, accepted)

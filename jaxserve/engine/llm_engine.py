@@ -726,10 +726,10 @@ class LLMEngine:
     def _record_speculation(self, scheduled: list[ScheduledSeq], result, prefill: int,
                             seconds: float) -> None:
         """What the step's proposals gained; the step's time feeds the policy."""
-        rows = [(i, len(s.drafts)) for i, s in enumerate(scheduled) if s.drafts]
         gained = result.num_tokens
-        self.speculator.record(sum(n for _, n in rows),
-                               sum(max(0, int(gained[i]) - 1) for i, _ in rows), len(rows))
+        rows = [(s.seq, len(s.drafts), max(0, int(gained[i]) - 1))
+                for i, s in enumerate(scheduled) if s.drafts]
+        self.speculator.record(rows)
         self.speculator.policy.record_step(sum(s.num_tokens for s in scheduled), seconds,
                                            decode_only=not prefill, verified=bool(rows))
 

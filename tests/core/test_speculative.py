@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.sequence import Sequence
-from jaxserve.core.speculative import AdaptivePolicy, NgramProposer, Speculator
+from jaxserve.core.speculative import (
+    STALE_STEPS,
+    AdaptivePolicy,
+    NgramProposer,
+    Speculator,
+)
 
 BUCKETS = (8, 16, 32, 64, 128, 256, 512)
 
@@ -119,9 +124,68 @@ def test_proposals_are_priced_again_on_what_the_proposer_found():
     assert policy.choose_k(4, 0, 512) == 4
     every = spec.plan(seqs([repeats] * 4), 0, 512, 2048)
     assert every == {f"r{i}": [1, 2, 3, 4] for i in range(4)}
-    assert policy.best_cut({4: 1}, 4, 4) == 0
+    assert policy.choose([(4, 0.9)], 4, 512, 4) == ([], 0)
+    policy.explored()  # its exploration credit spent: the estimates alone decide
     assert spec.plan(seqs([repeats, *plain[1:]]), 0, 512, 2048) == {}
     # a fixed policy proposes what it finds
     fixed = Speculator(NgramProposer(k=4, n_min=2, n_max=2),
                        AdaptivePolicy(4, tuple(times), adaptive=False))
     assert fixed.plan(seqs([repeats, *plain[1:]]), 0, 512, 2048) == {"r0": [1, 2, 3, 4]}
+
+
+def test_a_programs_first_run_counts_only_until_a_second_and_buckets_keep_medians():
+    """A cold first run (the program loading) must not stand for the bucket once another
+    run measured it; after that, a bucket's time is the median of its recent steps."""
+    policy = AdaptivePolicy(4, BUCKETS)
+    policy.record_step(5, 0.018, verified=True)
+    assert policy.verify_time[8] == 0.018  # all that is known
+    policy.record_step(5, 0.010, verified=True)
+    assert policy.verify_time[8] == 0.010
+    for t in (0.011, 0.050, 0.009):  # one slow outlier moves the median little
+        policy.record_step(5, t, verified=True)
+    assert abs(policy.verify_time[8] - 0.0105) < 1e-12
+    assert 8 not in policy.step_time  # plain steps are a table of their own
+
+
+def _seq(rid: str, prompt: list[int]) -> Sequence:
+    return Sequence(rid, prompt, SamplingParams(max_tokens=64), 0, 0)
+
+
+def test_each_sequence_keeps_its_own_acceptance_seeded_from_the_engine_wide_rate():
+    policy = AdaptivePolicy(4, BUCKETS)
+    copying, other, fresh = _seq("a", [1]), _seq("b", [1]), _seq("c", [1])
+    assert policy.acceptance_of(fresh) == 0.5 and policy.is_unsure(fresh)
+    for _ in range(6):
+        policy.record_row(copying, 4, 4)  # every proposal accepted
+        policy.record_row(other, 4, 0)  # the first rejected: one tried
+    # tried proposals: the copying one tried 4 and accepted 4 each time, the other tried 1
+    assert policy.acceptance_of(copying) > 0.9 > 0.3 > policy.acceptance_of(other)
+    assert not policy.is_unsure(copying)
+    # a new sequence starts from the engine-wide rate, between the two
+    assert 0.5 < policy.acceptance_of(fresh) == policy.acceptance < 0.85
+    # one copying sequence among three that do not: it alone is chosen
+    policy.step_time = {1: 0.010, 2: 0.010, 4: 0.010, 8: 0.012, 16: 0.020}
+    policy.verify_time = {8: 0.013, 16: 0.030}
+    rates = [policy.acceptance_of(s) for s in (copying, other, other, other)]
+    assert policy.choose([(4, a) for a in rates], 4, 64, 4) == ([0], 4)
+    for _ in range(STALE_STEPS + 1):  # not verified for a while: unsure again, to explore
+        policy.record_step(4, 0.010)
+    assert policy.is_unsure(copying)
+
+
+def test_exploration_is_bounded_and_refreshes_what_the_policy_declines():
+    """Verifying costs more than any proposal gains: the policy declines, but an unsure
+    sequence is verified on at most one step in 32 (plus the first)."""
+    policy = AdaptivePolicy(4, BUCKETS)
+    spec = Speculator(NgramProposer(k=4, n_min=2, n_max=2), policy)
+    seq = _seq("r0", [5, 6, 1, 2, 3, 4, 5, 6])
+    explored = 0
+    for _ in range(320):
+        plans = spec.plan([seq], 0, 64, 2048)
+        policy.record_step(1 + sum(map(len, plans.values())), 0.1 if plans else 0.01,
+                           verified=bool(plans))
+        if plans:
+            explored += 1
+            spec.record([(seq, 4, 0)])  # every proposal wrong
+    assert explored == policy.num_explored and 2 <= explored <= 1 + 320 // 32
+    assert policy.verify_time[8] == 0.1 and not policy.is_unsure(seq)
