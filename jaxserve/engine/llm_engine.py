@@ -47,6 +47,7 @@ from jaxserve.engine.handover import Handover
 from jaxserve.engine.logits_state import LogitsState
 from jaxserve.engine.lora import LoRARegistry
 from jaxserve.engine.metrics import EngineMetrics, StatLogger
+from jaxserve.engine.overlap import OverlapChooser
 from jaxserve.engine.postprocess import Postprocessor, SeqUpdate
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.models.loader import LoadedModel, load_model
@@ -109,6 +110,7 @@ class _Launched:
     rows: dict[str, int]  # request id -> its row, for the rows that sample
     prompt_rows: list[PromptRows]  # the query rows whose prompt logprobs it computes
     t0: float  # when its scheduling began
+    overlapped: bool  # launched asynchronously: a step launched after it may read its rows
 
 
 def _prompt_logprobs(seqs: list[Sequence]) -> list[dict | None] | None:
@@ -191,6 +193,8 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else jax.default_backend() != "cpu")
+        # unset, the mode is chosen step by step from measured step times (engine/overlap.py)
+        self._overlap: OverlapChooser | None = None
         # disaggregated serving (engine/handover.py); a prefill engine parks a request as its
         # first token comes back, so no later step may have been launched for it
         self.handover = (Handover(self, config.handover_host) if config.role is not Role.BOTH
@@ -202,12 +206,16 @@ class LLMEngine:
             # only run every other step; speculation keeps the steps synchronous instead
             logger.info("speculative decoding: asynchronous scheduling is off")
             self.async_scheduling = False
+        multi_process = getattr(self.runner, "broadcast", None) is not None
+        if (config.async_scheduling is None and config.role is not Role.PREFILL
+                and self.speculator is None and not multi_process):
+            self._overlap = OverlapChooser(start=self.async_scheduling)
         # Launching a step holds the calling thread while the runtime issues its kernels: under
         # asynchronous scheduling a thread of its own does it, beside this one's postprocessing
         # of the step before (one process only: several launch in lockstep).
         self._launcher = (concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="jaxserve-launch")
-            if self.async_scheduling and getattr(self.runner, "broadcast", None) is None
+            if (self.async_scheduling or self._overlap is not None) and not multi_process
             else None)
 
     # ------------------------------------------------------------------------------ requests
@@ -562,7 +570,11 @@ class LLMEngine:
         # The annotations name the phases of a step in XLA profiler traces (jax.profiler);
         # "forward" and "sample" are also named scopes inside the compiled step.
         outputs = self.take_pending_outputs()
-        if not self.async_scheduling and self._in_flight is not None:  # left by step_overlapped
+        self._choose_overlap()
+        if self._in_flight is not None and not (self.async_scheduling
+                                                and self._in_flight.overlapped):
+            # left by step_overlapped, or launched before the mode changed: no step launched
+            # now may read its rows, so its tokens come back first
             outputs += self._complete(self._in_flight)
             self._in_flight = None
         launched = self._launch()
@@ -572,6 +584,7 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             self._in_flight = None
             outputs += self._complete(launched)
+        self._idle_check(launched)
         return self._finish_step(outputs)
 
     def step_overlapped(self, before_launch: Callable[[], None] | None = None
@@ -583,6 +596,7 @@ class LLMEngine:
         between the two (the server applies new requests and aborts there). A step of prompts
         alone returns before the next launch: its first tokens go out at once. Under
         asynchronous scheduling this is step(), `before_launch` first."""
+        self._choose_overlap()
         if self.async_scheduling:
             if before_launch is not None:
                 before_launch()
@@ -597,7 +611,16 @@ class LLMEngine:
             before_launch()
             outputs += self.take_pending_outputs()  # aborts it applied
         self._in_flight = self._launch()
+        self._idle_check(self._in_flight)
         return self._finish_step(outputs)
+
+    def _choose_overlap(self) -> None:
+        if self._overlap is not None:
+            self.async_scheduling = self._overlap.choose(len(self.scheduler.running))
+
+    def _idle_check(self, launched: _Launched | None) -> None:
+        if self._overlap is not None and launched is None:  # out of work: no step runs now
+            self._overlap.idle()
 
     def _finish_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         self.runner.flush_host_copies()  # land its spills (their gathers ran before the step)
@@ -628,7 +651,8 @@ class LLMEngine:
                 return None  # nothing was computed: the others are scheduled again next step
         with jax.profiler.TraceAnnotation("jaxserve.launch"):
             try:
-                out = (self.runner.dispatch(inp) if self._launcher is None
+                out = (self.runner.dispatch(inp)
+                       if self._launcher is None or not self.async_scheduling
                        else self._launcher.submit(self.runner.dispatch, inp))
             except RecompileError:  # strict_compile: a configuration error, the caller's to see
                 raise
@@ -643,7 +667,7 @@ class LLMEngine:
         # step's tokens are back (asynchronous scheduling) has any
         rows = ({s.seq.request_id: i for i, s in enumerate(sched.scheduled) if s.samples}
                 if self.async_scheduling else {})
-        return _Launched(sched, inp, out, rows, prompt, t0)
+        return _Launched(sched, inp, out, rows, prompt, t0, self.async_scheduling)
 
     def run_copies(self, copies: list) -> None:
         """Make the scheduler's block copies between the device and the host pool."""
@@ -714,6 +738,9 @@ class LLMEngine:
         self.metrics.record_step(now - step.t0, prefill, generated,
                                  len(self.scheduler.running), len(self.scheduler.waiting),
                                  self.block_manager.num_used_blocks)
+        if self._overlap is not None:
+            self._overlap.completed(now, len(scheduled), not prefill, step.overlapped,
+                                    step.sched.decode_steps)
         if self.step_trace is not None:
             self.step_trace.append(StepRecord(
                 self.metrics.num_steps - 1,

@@ -28,13 +28,15 @@ def _workload(n: int = 12):
     return reqs
 
 
-def _run(path, async_scheduling: bool, reqs, overlapped: bool = False,
+def _run(path, async_scheduling: bool | None, reqs, overlapped: bool = False, chooser=None,
          **kw) -> tuple[dict, object]:
     # A float32 pool: the tiny model's float weights go through XLA's own dots, whose last bit
     # may depend on the step's shape (a recomputed prefill chunk vs the decodes it replays); a
     # float16 pool (the CPU default) can round such a difference into the logprobs compared here.
     kw.setdefault("kv_cache_dtype", "float32")
     engine = make_engine(path, async_scheduling=async_scheduling, **kw)
+    if chooser is not None:  # unset async_scheduling: the mode chosen step by step, by this
+        engine._overlap = chooser
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt_token_ids=prompt, params=params)
     done = run_all(engine, engine.step_overlapped if overlapped else engine.step)
