@@ -125,7 +125,7 @@ class ZeroCostRunner(StepPreparer):
 MAX_LEN = 4096
 
 
-def make_engine(num_running: int, loaded, async_scheduling: bool, device_s: float = 0.0,
+def make_engine(num_running: int, loaded, async_scheduling: bool | None, device_s: float = 0.0,
                 decode_steps: int = 1, full_pool: bool = False) -> LLMEngine:
     """`full_pool`: blocks for every sequence at max_model_len (else half that)."""
     cfg = EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=max(2048, 2 * num_running),

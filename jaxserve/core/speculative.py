@@ -187,13 +187,16 @@ class AdaptivePolicy:
         i = bisect.bisect_left(self.buckets, tokens)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
-    def record_step(self, num_tokens: int, seconds: float, decode_only: bool = True,
+    def record_step(self, num_tokens: int, seconds: float | None, decode_only: bool = True,
                     verified: bool = False) -> None:
         """A step's time (its program is chosen by its padded token count and whether it
         verifies). Decode steps are what k is chosen for; steps that also prefill only stand
-        in for a bucket no decode step has measured."""
+        in for a bucket no decode step has measured. `seconds` None: a step whose time is not
+        known (it overlapped the one before) still counts towards staleness and exploring."""
         self.num_steps += 1
         self._credit = min(1.0, self._credit + 1 / EXPLORE_EVERY)
+        if seconds is None:
+            return
         kind = "mixed" if not decode_only else "verify" if verified else "step"
         b = self.bucket(num_tokens)
         times = self._times.setdefault((kind, b), _Times())
@@ -344,9 +347,31 @@ class Speculator:
         """Its tokens are all on the host (a proposal continues them) and its logits are not
         processed (penalties, bias and token masks hold for one position at a time), or only
         by a grammar that can check the proposal."""
-        p = seq.params
-        return not seq.num_pending and (not p.processes_logits
-                                        or (self.checks_grammar and p.grammar_only))
+        return not seq.num_pending and self._allows(seq.params)
+
+    def _allows(self, p) -> bool:
+        return not p.processes_logits or (self.checks_grammar and p.grammar_only)
+
+    def may_pay(self, seqs: list, budget: int) -> bool:
+        """Whether a step of these decodes might verify proposals: the check `plan` makes
+        before proposing, on the sequences' own rates, with no tokens needed (those of a step
+        still on the device are not on the host yet). The engine steps synchronously when it
+        holds, so that the step's proposals can continue every sequence's last token."""
+        policy = self.policy
+        seqs = [s for s in seqs if self._allows(s.params)]
+        if not seqs:
+            return False
+        if not policy.adaptive:
+            return True
+        base = len(seqs)
+        top = max(0, min(policy.max_k, budget - base))
+        if top == 0:
+            return False
+        if policy.may_explore() and (any(map(policy.is_unsure, seqs))
+                                     or policy.cost_is_unsure(base + top)):
+            return True
+        return bool(policy.choose([(top, policy.acceptance_of(s)) for s in seqs], base,
+                                  budget, base)[0])
 
     def plan(self, seqs: list, other_tokens: int, budget: int, max_model_len: int,
              num_decodes: int | None = None) -> dict[str, list[int]]:

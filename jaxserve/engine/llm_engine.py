@@ -203,12 +203,15 @@ class LLMEngine:
             self.async_scheduling = False
         if self.async_scheduling and self.speculator is not None:
             # a proposal continues the tokens on the host, so a speculating sequence could
-            # only run every other step; speculation keeps the steps synchronous instead
+            # only run every other step: pinned on, speculation keeps the steps synchronous
             logger.info("speculative decoding: asynchronous scheduling is off")
             self.async_scheduling = False
         multi_process = getattr(self.runner, "broadcast", None) is not None
+        # Left unset, the mode is chosen step by step; under n-gram speculation a step is
+        # synchronous whenever proposals might pay (_choose_overlap). A draft model's
+        # proposals are made on the device from the step's rows: those stay synchronous.
         if (config.async_scheduling is None and config.role is not Role.PREFILL
-                and self.speculator is None and not multi_process):
+                and config.speculative_method in (None, "ngram") and not multi_process):
             self._overlap = OverlapChooser(start=self.async_scheduling)
         # Launching a step holds the calling thread while the runtime issues its kernels: under
         # asynchronous scheduling a thread of its own does it, beside this one's postprocessing
@@ -615,8 +618,14 @@ class LLMEngine:
         return self._finish_step(outputs)
 
     def _choose_overlap(self) -> None:
-        if self._overlap is not None:
-            self.async_scheduling = self._overlap.choose(len(self.scheduler.running))
+        if self._overlap is None:
+            return
+        running = self.scheduler.running
+        mode = self._overlap.choose(len(running))
+        if mode and self.speculator is not None and self.speculator.may_pay(
+                running, self.config.max_num_batched_tokens):
+            mode = False  # its proposals continue every sequence's last token, on the host
+        self.async_scheduling = mode
 
     def _idle_check(self, launched: _Launched | None) -> None:
         if self._overlap is not None and launched is None:  # out of work: no step runs now
@@ -734,12 +743,16 @@ class LLMEngine:
                 outputs.append(self._output(u))
         prefill = sum(s.num_tokens for s in scheduled if s.is_prefill)
         if self.speculator is not None:
-            self._record_speculation(scheduled, result, prefill, now - step.t0)
+            # an overlapped step's span also holds the step before it: not a step's time
+            self._record_speculation(scheduled, result, prefill,
+                                     None if step.overlapped else now - step.t0)
         self.metrics.record_step(now - step.t0, prefill, generated,
                                  len(self.scheduler.running), len(self.scheduler.waiting),
                                  self.block_manager.num_used_blocks)
+        self.metrics.num_overlapped_steps += step.overlapped
         if self._overlap is not None:
-            self._overlap.completed(now, len(scheduled), not prefill, step.overlapped,
+            plain = not prefill and not any(s.drafts for s in scheduled)  # no verification
+            self._overlap.completed(now, len(scheduled), plain, step.overlapped,
                                     step.sched.decode_steps)
         if self.step_trace is not None:
             self.step_trace.append(StepRecord(
@@ -751,8 +764,9 @@ class LLMEngine:
         return outputs
 
     def _record_speculation(self, scheduled: list[ScheduledSeq], result, prefill: int,
-                            seconds: float) -> None:
-        """What the step's proposals gained; the step's time feeds the policy."""
+                            seconds: float | None) -> None:
+        """What the step's proposals gained; the step's time (None: unknown) feeds the
+        policy."""
         gained = result.num_tokens
         rows = [(s.seq, len(s.drafts), max(0, int(gained[i]) - 1))
                 for i, s in enumerate(scheduled) if s.drafts]
@@ -778,6 +792,7 @@ class LLMEngine:
             "prompt_tokens": m.prompt_tokens,
             "generation_tokens": m.generation_tokens,
             "num_steps": m.num_steps,
+            "num_overlapped_steps": m.num_overlapped_steps,  # asynchronous scheduling's
             "num_compiles": self.runner.num_compiles,
             "prefix_cache_queries": bm.stats.queries,  # prompt tokens looked up
             "prefix_cache_hits": bm.stats.hits,  # of them, found computed

@@ -20,6 +20,7 @@ class EngineMetrics:
     def __init__(self, window: int = 100_000):
         self.window = window
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # of them, launched before the step before was read back
         self.prompt_tokens = 0  # prompt tokens computed (recomputation after preemption included)
         self.generation_tokens = 0
         self.num_requests_finished = 0

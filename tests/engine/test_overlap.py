@@ -120,7 +120,8 @@ class _SharedCoresRunner(ZeroCostRunner):
 def test_an_engine_stays_synchronous_where_overlapping_costs(smollm):
     config = zero_cost_engine(4, smollm, None).config
     engine = LLMEngine(config, smollm,
-                       runner=_SharedCoresRunner(config, smollm.config.vocab_size, 0.004))
+                       runner=_SharedCoresRunner(config, smollm.config.vocab_size,
+                                                 smollm.config.num_layers, 0.004))
     engine._overlap = OverlapChooser(start=True, trial=6, revisit=10_000)
     _decode_workload(engine, 4, 120)
     est = engine._overlap.estimates()[4]

@@ -25,10 +25,10 @@ def _tokens(seeds: np.ndarray, pos: np.ndarray) -> np.ndarray:
 
 
 def _engine(loaded, device_s: float, verify_s: float, draft_s: float = 0.0,
-            speculate: bool = True) -> LLMEngine:
+            speculate: bool = True, async_scheduling: bool | None = False) -> LLMEngine:
     spec = dict(speculative_method="ngram", num_speculative_tokens=4) if speculate else {}
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
-                       block_size=16, num_kv_blocks=128, async_scheduling=False,
+                       block_size=16, num_kv_blocks=128, async_scheduling=async_scheduling,
                        log_stats_interval_s=0, enable_step_trace=True, **spec)
     runner = ZeroCostRunner(cfg, loaded.config.vocab_size, loaded.config.num_layers, device_s,
                             verify_s, draft_s, _tokens)
@@ -110,3 +110,20 @@ def test_one_copying_request_speculates_among_open_ended_ones(smollm):
     for i in range(3):
         steps, verified = share[f"open{i}"]
         assert verified <= 0.2 * steps
+
+
+def test_steps_it_declines_to_verify_may_overlap(smollm):
+    """With asynchronous scheduling left to the engine: a copying request still verifies on
+    most steps (each synchronous, its proposals continuing its last token), an open-ended one
+    whose proposals do not pay runs most of its later steps overlapped; the tokens are
+    speculation off's either way."""
+    copy, wrong = {"copy": (COPY_SEED, 160)}, {"open": (7, 200)}
+    engine = _engine(smollm, 0.008, 0.002, async_scheduling=None)
+    assert _run(engine, copy) == _run(_engine(smollm, 0.0, 0.0, speculate=False), copy)
+    steps, verified = _verify_share(engine)["copy"]
+    assert verified >= 0.7 * steps
+    engine = _engine(smollm, 0.010, 0.006, async_scheduling=None)
+    assert _run(engine, wrong) == _run(_engine(smollm, 0.0, 0.0, speculate=False), wrong)
+    snap = engine.metrics_snapshot()
+    assert snap["num_overlapped_steps"] >= 0.5 * snap["num_steps"]
+    assert snap["spec_steps"] >= 1  # it explored
