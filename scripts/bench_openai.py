@@ -10,6 +10,8 @@ response's usage), TTFT, inter-token latency (ITL: the gaps between streamed tok
 end-to-end latency percentiles, and each request's decode rate after its first token. With
 --concurrency 1 that rate is the batch-1 decode speed. Several base URLs and concurrencies run
 in turn (each server, every concurrency) and end with one table, side by side.
+`--workload grounded` sends requests that copy, correct or edit a text they give instead (the
+prompts of bench_spec.py), where prompt-lookup speculation has most to propose.
 `--json-schema builtin` (or a schema file) asks every request for JSON through
 `response_format`, to weigh structured output against the same run without it.
 `--compare-structured` runs both in one go: first with the schema, then without it, each
@@ -26,7 +28,7 @@ import json
 import statistics
 import time
 
-from jaxserve.bench.chat import make_prompts
+from jaxserve.bench.chat import grounded_prompts, make_prompts
 from jaxserve.serving import api_key
 
 #: One free-text field: the answer runs to max_tokens as an unconstrained one would, so the two
@@ -108,6 +110,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32])
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workload", choices=("chat", "grounded"), default="chat",
+                    help="chat: open-ended prompts; grounded: requests that copy, correct or "
+                         "edit a text they give (in turn, to --num-prompts)")
     ap.add_argument("--json-schema", default=None,
                     help="'builtin' or a JSON schema file: every request asks for JSON")
     ap.add_argument("--compare-structured", action="store_true",
@@ -131,7 +136,10 @@ def main() -> None:
 
     from openai import OpenAI
 
-    prompts = make_prompts(args.num_prompts)
+    if args.workload == "grounded":
+        prompts = list(itertools.islice(itertools.cycle(grounded_prompts()), args.num_prompts))
+    else:
+        prompts = make_prompts(args.num_prompts)
     label = "structured: " if args.compare_structured else ""
     table = []
     for url in args.base_url or ["http://127.0.0.1:8000/v1"]:

@@ -24,45 +24,8 @@ import gc
 
 from jaxserve import EngineConfig, LLMEngine
 from jaxserve.bench import drivers, report
-from jaxserve.bench.chat import chat_ids, make_prompts
+from jaxserve.bench.chat import chat_ids, grounded_prompts, make_prompts
 from jaxserve.bench.workload import BenchRequest
-
-PASSAGES = [
-    "The harbour town wakes early. Fishing boats leave before dawn, and by seven the market "
-    "stalls are full of mackerel, crab and bright orange mussels. Visitors who arrive by the "
-    "morning ferry can walk the cliff path to the lighthouse, which opens at ten.",
-    "To make the bread, mix 500 grams of flour with 10 grams of salt and 7 grams of yeast. "
-    "Add 350 millilitres of warm water and knead for ten minutes. Let the dough rise for one "
-    "hour, shape it, rise again for forty minutes, then bake at 220 degrees for thirty minutes.",
-    "The library moved to the old railway station in 2019. Its reading room sits under the "
-    "glass roof of the former hall, the children's section fills the ticket office, and the "
-    "archive of local newspapers is kept in the cool rooms below the platforms.",
-    "Our team meets on Mondays at nine to plan the week. Each person names one goal and one "
-    "risk. On Fridays at four we look at what was finished, what slipped and why, and we write "
-    "one sentence about what we would do differently next time.",
-]
-CODE = [
-    "def average(values):\n    total = 0\n    for v in values:\n        total += v\n"
-    "    return total / len(values)\n",
-    "def count_words(text):\n    total = {}\n    for word in text.split():\n"
-    "        total[word] = total.get(word, 0) + 1\n    return total\n",
-]
-TYPOS = str.maketrans({"e": "3"})  # a text to correct: every 'e' made a '3'
-
-
-def prompts() -> list[str]:
-    out = []
-    for p in PASSAGES:
-        out.append(f"Repeat the following text exactly, word for word:\n\n{p}")
-        out.append(f"Every letter e in this text was typed as 3. Write the corrected text:"
-                   f"\n\n{p.translate(TYPOS)}")
-        out.append(f"Quote the sentence of this text that gives a time or a number, "
-                   f"exactly:\n\n{p}")
-        out.append(f"Summarize this text in one sentence:\n\n{p}")
-    for c in CODE:
-        out.append(f"Rename the variable `total` to `acc` in this Python function and return "
-                   f"the whole function:\n\n{c}")
-    return out
 
 
 def main() -> None:
@@ -83,7 +46,7 @@ def main() -> None:
 
     loaded = load_model()
     tok = loaded.tokenizer
-    ids = chat_ids(tok, prompts() if args.workload == "grounded" else make_prompts(32))
+    ids = chat_ids(tok, grounded_prompts() if args.workload == "grounded" else make_prompts(32))
     configs = {"off": {},
                "adaptive": dict(speculative_method="ngram", num_speculative_tokens=args.k),
                "fixed": dict(speculative_method="ngram", num_speculative_tokens=args.k,

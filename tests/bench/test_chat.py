@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.bench.chat import KINDS, TOPICS, chat_ids, make_prompts
+from jaxserve.bench.chat import KINDS, TOPICS, chat_ids, grounded_prompts, make_prompts
 
 
 def test_prompts_take_every_kind_over_every_topic_in_turn():
@@ -21,3 +21,15 @@ def test_chat_ids_are_the_models_template_ready_for_its_answer(smollm):
     text = tok.decode(ids[1])
     assert "<|im_start|>user\nExplain a robot to a child.<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_grounded_prompts_each_give_the_text_to_work_on():
+    from jaxserve.bench.chat import CODE, PASSAGES, TYPOS
+
+    prompts = grounded_prompts()
+    assert len(prompts) == 4 * len(PASSAGES) + len(CODE) and len(set(prompts)) == len(prompts)
+    for i, passage in enumerate(PASSAGES):
+        repeat, correct, quote, summary = prompts[4 * i:4 * i + 4]
+        assert repeat.endswith(passage) and quote.endswith(passage)
+        assert summary.endswith(passage) and correct.endswith(passage.translate(TYPOS))
+    assert all(p.endswith(c) for p, c in zip(prompts[-len(CODE):], CODE, strict=True))

@@ -39,3 +39,9 @@ def test_the_key_comes_from_the_environment_or_a_file(server, tmp_path):
     path = tmp_path / "key"
     path.write_text("k\n")
     assert bench(server, "--api-key-file", str(path), key="wrong").returncode == 0
+
+
+def test_the_grounded_workload_runs(server):
+    r = bench(server, "--workload", "grounded", key="k")
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stdout
