@@ -191,14 +191,18 @@ class LLMEngine:
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self.eos_token_ids)
                          if self.tokenizer is not None else None)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else jax.default_backend() != "cpu")
-        # unset, the mode is chosen step by step from measured step times (engine/overlap.py)
-        self._overlap: OverlapChooser | None = None
         # disaggregated serving (engine/handover.py); a prefill engine parks a request as its
         # first token comes back, so no later step may have been launched for it
         self.handover = (Handover(self, config.handover_host) if config.role is not Role.BOTH
                          else None)
+        self._set_up_overlap(config)
+
+    def _set_up_overlap(self, config: EngineConfig) -> None:
+        """Asynchronous scheduling: pinned by the config, or chosen step by step from measured
+        step times (engine/overlap.py), starting on with an accelerator."""
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else jax.default_backend() != "cpu")
+        self._overlap: OverlapChooser | None = None
         if config.role is Role.PREFILL:
             self.async_scheduling = False
         if self.async_scheduling and self.speculator is not None:
