@@ -158,8 +158,8 @@ class EngineConfig:
     async_scheduling: bool | None = option(
         None, "launch step N+1 before step N's tokens are read back, so the host's work "
               "hides under the device's step; same tokens either way (default: chosen step "
-              "by step from the measured time of steps in each mode at each load, starting "
-              "on with an accelerator and off on a CPU, where host and device share the cores)")
+              "by step from the time steps take in each mode at each load, starting on with "
+              "an accelerator and off on a CPU, where host and device share the cores)")
     plain_programs: bool | None = option(
         None, "a second program per bucket for steps whose rows are all greedy or sample "
               "from the temperature alone, with no logprobs or logit processing: it has no "
