@@ -85,12 +85,13 @@ def measure(client, model, prompts, max_tokens, concurrency, extra, label: str):
     itl = [g for r in results for g in r[3]]
     row = {"tok/s": n / dur, "TTFT p50 s": percentile(ttft, 50),
            "TTFT p99 s": percentile(ttft, 99), "ITL p50 ms": percentile(itl, 50) * 1e3,
+           "ITL p99 ms": percentile(itl, 99) * 1e3,
            "E2E p50 s": percentile(e2e, 50), "E2E p99 s": percentile(e2e, 99)}
     print(f"{label}{len(prompts)} requests at concurrency {concurrency}: {n} output tokens in "
           f"{dur:.2f} s = {n / dur:.1f} output tok/s; TTFT p50 / p99 "
-          f"{row['TTFT p50 s'] * 1e3:.0f} / {row['TTFT p99 s'] * 1e3:.0f} ms; ITL p50 "
-          f"{row['ITL p50 ms']:.1f} ms; E2E p50 / p99 {row['E2E p50 s']:.2f} / "
-          f"{row['E2E p99 s']:.2f} s; per-request decode p50 "
+          f"{row['TTFT p50 s'] * 1e3:.0f} / {row['TTFT p99 s'] * 1e3:.0f} ms; ITL p50 / p99 "
+          f"{row['ITL p50 ms']:.1f} / {row['ITL p99 ms']:.1f} ms; E2E p50 / p99 "
+          f"{row['E2E p50 s']:.2f} / {row['E2E p99 s']:.2f} s; per-request decode p50 "
           f"{statistics.median((r[2] - 1) / (r[1] - r[0]) for r in results if r[2] > 1):.1f} "
           "tok/s (tokens after the first / time after the first)", flush=True)
     return n / dur, results, row
