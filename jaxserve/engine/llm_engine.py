@@ -213,8 +213,10 @@ class LLMEngine:
         multi_process = getattr(self.runner, "broadcast", None) is not None
         # Left unset, the mode is chosen step by step; under n-gram speculation a step is
         # synchronous whenever proposals might pay (_choose_overlap). A draft model's
-        # proposals are made on the device from the step's rows: those stay synchronous.
-        if (config.async_scheduling is None and config.role is not Role.PREFILL
+        # proposals are made on the device from the step's rows: those stay synchronous. A
+        # prefill or decode engine keeps the device kind's default: a decode engine's
+        # handovers pull into the pool beside its steps.
+        if (config.async_scheduling is None and config.role is Role.BOTH
                 and config.speculative_method in (None, "ngram") and not multi_process):
             self._overlap = OverlapChooser(start=self.async_scheduling)
         # Launching a step holds the calling thread while the runtime issues its kernels: under
