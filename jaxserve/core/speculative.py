@@ -357,21 +357,11 @@ class Speculator:
         before proposing, on the sequences' own rates, with no tokens needed (those of a step
         still on the device are not on the host yet). The engine steps synchronously when it
         holds, so that the step's proposals can continue every sequence's last token."""
-        policy = self.policy
         seqs = [s for s in seqs if self._allows(s.params)]
         if not seqs:
             return False
-        if not policy.adaptive:
-            return True
-        base = len(seqs)
-        top = max(0, min(policy.max_k, budget - base))
-        if top == 0:
-            return False
-        if policy.may_explore() and (any(map(policy.is_unsure, seqs))
-                                     or policy.cost_is_unsure(base + top)):
-            return True
-        return bool(policy.choose([(top, policy.acceptance_of(s)) for s in seqs], base,
-                                  budget, base)[0])
+        return (not self.policy.adaptive
+                or self._outlook(seqs, len(seqs), budget, len(seqs)) is not None)
 
     def plan(self, seqs: list, other_tokens: int, budget: int, max_model_len: int,
              num_decodes: int | None = None) -> dict[str, list[int]]:
@@ -384,15 +374,10 @@ class Speculator:
         if not policy.adaptive:  # every sequence, as many as the budget leaves room for
             top = max(0, min(policy.max_k, (budget - base) // len(seqs)))
             return {seqs[i].request_id: d for i, d in self._propose(seqs, top, max_model_len)}
-        top = max(0, min(policy.max_k, budget - base))
-        if top == 0:
+        outlook = self._outlook(seqs, base, budget, decodes)
+        if outlook is None:
             return {}
-        rates = [policy.acceptance_of(s) for s in seqs]
-        explore = policy.may_explore() and (any(map(policy.is_unsure, seqs))
-                                            or policy.cost_is_unsure(base + top))
-        if not explore and not policy.choose([(top, a) for a in rates], base, budget,
-                                             decodes)[0]:
-            return {}  # not even the most tokens from every sequence would pay
+        top, rates, explore = outlook
         found = self._propose(seqs, top, max_model_len)
         chosen, cut = policy.choose([(len(d), rates[i]) for i, d in found], base, budget,
                                     decodes)
@@ -400,6 +385,23 @@ class Speculator:
         if explore and len(plans) < len(found):
             self._explore(seqs, found, plans, rates, base, budget)
         return {seqs[i].request_id: d for i, d in plans.items()}
+
+    def _outlook(self, seqs: list, base: int, budget: int,
+                 decodes: int) -> tuple[int, list[float], bool] | None:
+        """Before proposing, in a step of `base` tokens without proposals: (the most tokens a
+        sequence may propose, each sequence's rate, whether the step explores), or None when
+        it has no room or not even the most tokens from every sequence would pay."""
+        policy = self.policy
+        top = max(0, min(policy.max_k, budget - base))
+        if top == 0:
+            return None
+        rates = [policy.acceptance_of(s) for s in seqs]
+        explore = policy.may_explore() and (any(map(policy.is_unsure, seqs))
+                                            or policy.cost_is_unsure(base + top))
+        if not explore and not policy.choose([(top, a) for a in rates], base, budget,
+                                             decodes)[0]:
+            return None
+        return top, rates, explore
 
     def _propose(self, seqs: list, k: int, max_model_len: int) -> list[tuple[int, list[int]]]:
         """(index in `seqs`, proposal) of each sequence that proposes up to `k` tokens."""
