@@ -45,11 +45,12 @@ class OverlapChooser:
 
     def __init__(self, start: bool, trial: int = 12, settle: int = 2, revisit: int = 400,
                  window: int = 24, margin: float = 0.03):
+        if window < trial:
+            raise ValueError(f"window ({window}) must hold a trial's samples ({trial})")
         self.mode = start
         self.trial, self.settle, self.revisit = trial, settle, revisit
         self.window, self.margin = window, margin
         self._loads: dict[int, _Load] = {}
-        self._trial: tuple[int, bool, int] | None = None  # (load, mode, samples still wanted)
         self._settling = 0
         self._last: float | None = None  # the last completion, while steps run back to back
         self.switches = 0
@@ -60,17 +61,16 @@ class OverlapChooser:
             return self.mode
         key = load_bucket(rows)
         load = self._loads.setdefault(key, _Load())
-        if self._trial is not None and self._trial[0] == key and self._trial[2] > 0:
-            return self._switch(self._trial[1])
-        self._trial = None
-        for mode in (self.mode, not self.mode):  # a mode with too few samples here is tried
+        # a mode with too few samples here is tried (the current one first, so a trial
+        # under way goes on until it has its samples)
+        for mode in (self.mode, not self.mode):
             if len(load.samples.get(mode, ())) < self.trial:
-                return self._try(key, mode)
+                return self._switch(mode)
         if load.since_trial >= self.revisit:
             load.since_trial = 0
             loser = not self._best(load)
             load.samples.pop(loser, None)  # a revisit measures afresh
-            return self._try(key, loser)
+            return self._switch(loser)
         return self._switch(self._best(load))
 
     def completed(self, now: float, rows: int, decode_only: bool, mode: bool,
@@ -88,8 +88,6 @@ class OverlapChooser:
         samples = load.samples.setdefault(mode, deque(maxlen=self.window))
         samples.append((now - last) / steps)
         load.since_trial += 1
-        if self._trial is not None and self._trial[:2] == (key, mode) and self._trial[2] > 0:
-            self._trial = (key, mode, self._trial[2] - 1)
 
     def idle(self) -> None:
         """The engine ran out of work: the next step's time is not a step's cost."""
@@ -103,10 +101,6 @@ class OverlapChooser:
     def _best(self, load: _Load) -> bool:
         cur, other = load.cost(self.mode), load.cost(not self.mode)
         return (not self.mode) if other < cur * (1 - self.margin) else self.mode
-
-    def _try(self, key: int, mode: bool) -> bool:
-        self._trial = (key, mode, self.trial - len(self._loads[key].samples.get(mode, ())))
-        return self._switch(mode)
 
     def _switch(self, mode: bool) -> bool:
         if mode != self.mode:
